@@ -1,0 +1,10 @@
+"""mla_ops: Multi-head Latent Attention decode and combine as ``torch.library`` custom ops.
+
+Importing this package registers ``torch.ops.mla.decode`` and ``torch.ops.mla.combine``
+(Triton kernels on CUDA, a PyTorch implementation elsewhere, fake functions for compile/export).
+"""
+
+from .ops import SUPPORTED_DTYPES, mla_combine, mla_decode, split_kv_cache
+from .planner import plan_num_splits
+
+__all__ = ["SUPPORTED_DTYPES", "mla_combine", "mla_decode", "plan_num_splits", "split_kv_cache"]

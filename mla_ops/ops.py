@@ -1,0 +1,371 @@
+"""MLA decode and combine: ``torch.library`` custom ops, their fake functions and the public wrappers.
+
+Two ops in namespace ``mla``:
+
+* ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits)
+  -> (out_partial [B, S_q, H, num_splits, L], lse_partial [B, S_q, H, num_splits])``:
+  split-KV attention of the absorbed query over the latent cache (MQA, one KV head). Scores are
+  ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale``; the value is ``kv_c``. Empty splits give
+  ``lse = -inf`` and ``out = 0``.
+* ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype) -> (out [..., L], lse [...])``:
+  the LSE merge of attention states (the splits above, or e.g. a prefix and a suffix).
+
+CUDA runs Triton kernels; every other device runs the PyTorch implementation in ``reference.py``.
+The fake functions let ``torch.compile(fullgraph=True)`` and ``torch.export`` treat each op as
+one node with symbolic batch and cache length.
+
+Value checks (lengths against the cache, page ids) need the values. Off CUDA they always run. On
+CUDA they would cost a host synchronisation, so they run only with ``MLA_OPS_CHECK_VALUES=1``;
+without it the kernel never reads outside the cache and returns NaN rows for a token whose
+location is out of range.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+
+from . import reference
+from .planner import plan_num_splits
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+KVCache = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def _check_floating(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}")
+
+
+def _check_index(name: str, t: torch.Tensor | None, ndim: int, device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != ndim:
+        _fail(f"{name} must have {ndim} dimension(s), got shape {tuple(t.shape)}")
+    if t.device != device:
+        _fail(f"{name} must be on {device} (q's device), got {t.device}")
+
+
+def check_decode_args(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    num_splits: int,
+) -> None:
+    """Shape, dtype and device checks of ``mla::decode`` (metadata only: no host sync)."""
+    _check_floating("q", q)
+    if q.dim() != 4:
+        _fail(f"q must be [batch, S_q, heads, L+R], got shape {tuple(q.shape)}")
+    batch, _, _, q_dim = q.shape
+    for name, part in (("kv_c", kv_c), ("k_pe", k_pe)):
+        _check_floating(name, part)
+        if part.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {part.dtype}")
+        if part.device != q.device:
+            _fail(f"{name} must be on {q.device} (q's device), got {part.device}")
+        if part.dim() != 3:
+            layout = "[num_pages, page_size, D]" if block_table is not None else "[batch, T, D]"
+            _fail(f"{name} must be {layout}, got shape {tuple(part.shape)}")
+    if kv_c.shape[:2] != k_pe.shape[:2]:
+        _fail(
+            f"kv_c {tuple(kv_c.shape)} and k_pe {tuple(k_pe.shape)} must agree in their leading "
+            "two dimensions"
+        )
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    if kv_len < 1:
+        _fail(f"kv_c's last dimension (L, the value width) must be >= 1, got {kv_len}")
+    if q_dim != kv_len + rope_len:
+        _fail(
+            f"q's last dimension must be L+R = {kv_len}+{rope_len} = {kv_len + rope_len} "
+            f"(the cache row width), got {q_dim}"
+        )
+    _check_index("cache_seqlens", cache_seqlens, 1, q.device)
+    if cache_seqlens.shape[0] != batch:
+        _fail(f"cache_seqlens must be [batch={batch}], got shape {tuple(cache_seqlens.shape)}")
+    if block_table is None:
+        if kv_c.shape[0] != batch:
+            _fail(
+                f"without block_table the cache must be [batch={batch}, T, D], got "
+                f"{tuple(kv_c.shape)}"
+            )
+    else:
+        _check_index("block_table", block_table, 2, q.device)
+        if block_table.shape[0] != batch:
+            _fail(f"block_table must be [batch={batch}, max_pages], got {tuple(block_table.shape)}")
+    if not math.isfinite(softmax_scale):
+        _fail(f"softmax_scale must be finite, got {softmax_scale}")
+    if num_splits < 1:
+        _fail(f"num_splits must be >= 1, got {num_splits}")
+
+
+def check_decode_values(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> None:
+    """Value checks of ``mla::decode``: lengths against S_q and capacity, page ids in range."""
+    s_q = q.shape[1]
+    lengths = cache_seqlens.long().cpu()
+    if block_table is None:
+        capacity = kv_c.shape[1]
+        where = f"the cache length T={capacity}"
+    else:
+        page_size = kv_c.shape[1]
+        capacity = block_table.shape[1] * page_size
+        where = f"block_table capacity {block_table.shape[1]} pages x {page_size} = {capacity}"
+    if bool((lengths < 0).any()):
+        _fail(f"cache_seqlens must be >= 0, got {lengths.tolist()}")
+    if bool((lengths > capacity).any()):
+        _fail(f"cache_seqlens {lengths.tolist()} exceed {where} tokens")
+    short = (lengths > 0) & (lengths < s_q)
+    if bool(short.any()):
+        _fail(
+            f"cache_seqlens counts the S_q={s_q} new tokens, so each non-empty sequence needs "
+            f">= {s_q} tokens; got {lengths.tolist()}"
+        )
+    if block_table is not None and block_table.numel():
+        num_pages, page_size = kv_c.shape[0], kv_c.shape[1]
+        pages_used = (lengths + page_size - 1) // page_size
+        in_use = torch.arange(block_table.shape[1])[None, :] < pages_used[:, None]
+        used_ids = block_table.long().cpu()[in_use]
+        bad = (used_ids < 0) | (used_ids >= num_pages)
+        if bool(bad.any()):
+            _fail(
+                f"block_table holds page ids outside [0, {num_pages}) for pages in use: "
+                f"{sorted(set(used_ids[bad].tolist()))[:8]}"
+            )
+
+
+def _values_checked_on(device: torch.device) -> bool:
+    return device.type != "cuda" or os.environ.get("MLA_OPS_CHECK_VALUES", "0") == "1"
+
+
+# --- mla::decode -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mla::decode", mutates_args=())
+def decode(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV MLA decode partials. See the module docstring for shapes."""
+    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    if _values_checked_on(q.device):
+        check_decode_values(q, kv_c, cache_seqlens, block_table)
+    return reference.decode(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+    )
+
+
+@decode.register_kernel("cuda")
+def _decode_cuda(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    if _values_checked_on(q.device):
+        check_decode_values(q, kv_c, cache_seqlens, block_table)
+    from . import triton_kernels
+
+    return triton_kernels.decode(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+    )
+
+
+@decode.register_fake
+def _decode_fake(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    batch, s_q, heads, _ = q.shape
+    acc = reference.accumulation_dtype(q.dtype)
+    out = q.new_empty((batch, s_q, heads, num_splits, kv_c.shape[-1]), dtype=acc)
+    lse = q.new_empty((batch, s_q, heads, num_splits), dtype=acc)
+    return out, lse
+
+
+# --- mla::combine ----------------------------------------------------------------------------
+
+
+def check_combine_args(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> None:
+    """Shape and dtype checks of ``mla::combine``."""
+    for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{name} must be float32 or float64, got {t.dtype}")
+    if out_partial.dim() < 2:
+        _fail(f"out_partial must be [..., splits, L], got shape {tuple(out_partial.shape)}")
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:-1]):
+        _fail(
+            f"lse_partial must be out_partial's shape without the last dimension, "
+            f"{tuple(out_partial.shape[:-1])}, got {tuple(lse_partial.shape)}"
+        )
+    if out_partial.shape[-2] < 1:
+        _fail("out_partial needs at least one split (dimension -2)")
+    if lse_partial.device != out_partial.device:
+        _fail(f"lse_partial must be on {out_partial.device}, got {lse_partial.device}")
+
+
+@torch.library.custom_op("mla::combine", mutates_args=())
+def combine(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE merge over dimension -2 of ``out_partial``. See the module docstring for shapes."""
+    check_combine_args(out_partial, lse_partial)
+    return reference.combine(out_partial, lse_partial, out_dtype)
+
+
+@combine.register_kernel("cuda")
+def _combine_cuda(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_combine_args(out_partial, lse_partial)
+    from . import triton_kernels
+
+    return triton_kernels.combine(out_partial, lse_partial, out_dtype)
+
+
+@combine.register_fake
+def _combine_fake(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_combine_args(out_partial, lse_partial)
+    out = out_partial.new_empty(
+        (*out_partial.shape[:-2], out_partial.shape[-1]), dtype=out_dtype or out_partial.dtype
+    )
+    lse = out_partial.new_empty(
+        out_partial.shape[:-2], dtype=reference.accumulation_dtype(out_partial.dtype)
+    )
+    return out, lse
+
+
+# --- public wrappers -------------------------------------------------------------------------
+
+
+def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(kv_c, k_pe)`` views of a cache given as one ``[..., L+R]`` tensor or a pair. No copy."""
+    if not isinstance(head_dim_v, int) or isinstance(head_dim_v, bool) or head_dim_v < 1:
+        _fail(f"head_dim_v must be a positive int, got {head_dim_v!r}")
+    if isinstance(kv_cache, torch.Tensor):
+        _check_floating("kv_cache", kv_cache)
+        if kv_cache.dim() != 3:
+            _fail(
+                "kv_cache must be [num_pages, page_size, L+R] (with block_table) or "
+                f"[batch, T, L+R], got shape {tuple(kv_cache.shape)}"
+            )
+        if head_dim_v > kv_cache.shape[-1]:
+            _fail(
+                f"head_dim_v={head_dim_v} is larger than the cache row ({kv_cache.shape[-1]} "
+                "values)"
+            )
+        return kv_cache[..., :head_dim_v], kv_cache[..., head_dim_v:]
+    if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
+        kv_c, k_pe = kv_cache
+        _check_floating("kv_cache[0] (kv_c)", kv_c)
+        _check_floating("kv_cache[1] (k_pe)", k_pe)
+        if kv_c.shape[-1] != head_dim_v:
+            _fail(
+                f"head_dim_v={head_dim_v} must equal kv_c's last dimension ({kv_c.shape[-1]}) "
+                "when kv_cache is a (kv_c, k_pe) pair: the value is all of kv_c"
+            )
+        return kv_c, k_pe
+    raise TypeError(
+        "kv_cache must be a tensor [..., L+R] or a pair (kv_c [..., L], k_pe [..., R]), got "
+        f"{type(kv_cache).__name__}"
+    )
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache: KVCache,
+    cache_seqlens: torch.Tensor,
+    *,
+    block_table: torch.Tensor | None = None,
+    head_dim_v: int,
+    softmax_scale: float,
+    causal: bool = True,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Multi-head latent attention decode over a (paged) latent cache.
+
+    Args:
+        q: ``[B, S_q, H, L+R]`` absorbed query: ``q_nope @ W_UK`` concatenated with the roped ``q_pe``.
+        kv_cache: paged ``[num_pages, page_size, L+R]`` when ``block_table`` is given, else
+            ``[B, T, L+R]``; or a pair ``(kv_c [..., L], k_pe [..., R])``. Any strides; never copied.
+        cache_seqlens: ``[B]`` int32, valid cached tokens per sequence, the S_q new ones included.
+        block_table: ``[B, max_pages]`` int32 page ids into ``kv_cache``.
+        head_dim_v: L, the value width: the value is ``kv_cache[..., :head_dim_v]``.
+        softmax_scale: applied to the scores; DeepSeek's is ``(P+R)**-0.5 * mscale**2``.
+        causal: query i of S_q sees keys ``[0, cache_seqlens - S_q + i]``.
+        num_splits: split-KV chunks per sequence; ``None`` lets the planner choose.
+
+    Returns:
+        ``out [B, S_q, H, L]`` in q's dtype and ``lse [B, S_q, H]`` (natural log; float32, or
+        float64 for float64 inputs). A sequence with no cached tokens gives zeros and ``-inf``.
+    """
+    kv_c, k_pe = split_kv_cache(kv_cache, head_dim_v)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    _check_floating("q", q)
+    if q.dim() != 4:
+        _fail(f"q must be [batch, S_q, heads, L+R], got shape {tuple(q.shape)}")
+    if num_splits is None:
+        capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+        num_splits = plan_num_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)
+    out_partial, lse_partial = torch.ops.mla.decode(
+        q, kv_c, k_pe, cache_seqlens, block_table, float(softmax_scale), causal, num_splits
+    )
+    out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
+    return out, lse
+
+
+def mla_combine(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge attention states by their log-sum-exp.
+
+    Args:
+        out_partial: ``[..., S, L]`` normalized partial outputs (float32/float64).
+        lse_partial: ``[..., S]`` their log-sum-exps (natural log); ``-inf`` marks an empty state.
+        out_dtype: dtype of ``out``; defaults to ``out_partial``'s.
+
+    Returns:
+        ``out [..., L]`` and ``lse [...]``; rows whose states are all empty give zeros and ``-inf``.
+    """
+    return torch.ops.mla.combine(out_partial, lse_partial, out_dtype)

@@ -1,0 +1,103 @@
+"""PyTorch implementation of ``mla::decode`` and ``mla::combine`` for CPU (and any device).
+
+It computes exactly what the Triton kernels compute (same split boundaries, same empty-split
+convention) with plain tensor ops, in float32 (float64 for float64 inputs). It gathers the whole
+cache capacity per sequence, so it is meant for correctness and small problems, not speed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .planner import split_bounds
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of partial outputs and LSEs for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def gather_rows(
+    cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None
+) -> torch.Tensor:
+    """The cache rows of every sequence in token order: ``[B, capacity, D]``.
+
+    cache: ``[num_pages, page_size, D]`` with ``block_table`` ``[B, max_pages]``, else ``[B, T, D]``.
+    Table entries past a sequence's last page are never used, so they are clamped, not trusted.
+    """
+    if block_table is None:
+        return cache
+    num_pages, page_size, dim = cache.shape
+    pages_used = (cache_seqlens.long() + page_size - 1) // page_size  # [B]
+    page_pos = torch.arange(block_table.shape[1], device=block_table.device)
+    in_use = page_pos[None, :] < pages_used[:, None]  # [B, max_pages]
+    pages = torch.where(in_use, block_table.long(), 0).clamp(0, max(num_pages - 1, 0))
+    batch = block_table.shape[0]
+    return cache[pages].reshape(batch, block_table.shape[1] * page_size, dim)
+
+
+def decode(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``."""
+    batch, s_q, heads, _ = q.shape
+    acc = accumulation_dtype(q.dtype)
+    kv_len = kv_c.shape[-1]
+    rows = torch.cat(
+        [gather_rows(kv_c, cache_seqlens, block_table), gather_rows(k_pe, cache_seqlens, block_table)],
+        dim=-1,
+    ).to(acc)  # [B, T, L+R]
+    capacity = rows.shape[1]
+    scores = torch.einsum("bshd,btd->bsht", q.to(acc), rows) * softmax_scale  # [B, S_q, H, T]
+
+    seqlen = cache_seqlens.long()
+    token = torch.arange(capacity, device=q.device)
+    visible = token[None, None, :] < seqlen[:, None, None]  # [B, 1, T]
+    if causal:
+        # query i of S_q sees keys [0, seqlen - S_q + i]
+        last_key = seqlen[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, S_q]
+        visible = visible & (token[None, None, :] <= last_key[:, :, None])  # [B, S_q, T]
+    start, end = split_bounds(seqlen, num_splits)  # [B, num_splits]
+
+    out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
+    lse = q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)
+    for split in range(num_splits):
+        in_split = (token[None, :] >= start[:, split : split + 1]) & (
+            token[None, :] < end[:, split : split + 1]
+        )  # [B, T]
+        mask = (visible & in_split[:, None, :])[:, :, None, :]  # [B, S_q, 1, T]
+        masked = scores.masked_fill(~mask, float("-inf"))
+        split_lse = torch.logsumexp(masked, dim=-1)  # [B, S_q, H]
+        finite = torch.isfinite(split_lse)
+        probs = torch.exp(masked - torch.where(finite, split_lse, 0.0)[..., None])
+        out[:, :, :, split] = torch.einsum("bsht,btl->bshl", probs, rows[..., :kv_len])
+        lse[:, :, :, split] = split_lse
+    return out, lse
+
+
+def combine(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LSE-weighted merge over the split axis: ``[..., S, L], [..., S] -> [..., L], [...]``."""
+    acc = accumulation_dtype(out_partial.dtype)
+    lse_partial = lse_partial.to(acc)
+    lse_max = lse_partial.amax(dim=-1, keepdim=True)
+    # All splits empty: shift by 0 so the weights are exactly 0 and the output is 0, not NaN.
+    shift = torch.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = torch.exp(lse_partial - shift)  # [..., S]
+    total = weight.sum(dim=-1)
+    lse = torch.log(total) + shift.squeeze(-1)
+    # An empty split's output is never read, whatever it holds.
+    parts = torch.where(weight[..., None] > 0, out_partial.to(acc), 0.0)
+    out = (weight[..., None] * parts).sum(dim=-2) / torch.where(total == 0, 1.0, total)[..., None]
+    # NaN in a partial LSE (the kernels' poison for unreadable cache locations) must survive.
+    poisoned = torch.isnan(lse_partial).any(dim=-1)
+    out = torch.where(poisoned[..., None], float("nan"), out)
+    return out.to(out_dtype or out_partial.dtype), lse

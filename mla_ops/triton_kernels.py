@@ -1,0 +1,342 @@
+"""Triton kernels for ``mla::decode`` (split-KV MQA over the latent cache) and ``mla::combine``.
+
+Decode: one program per (sequence, block of query rows, split). Query rows are heads x S_q
+flattened, so one KV tile loaded from the cache feeds every head of the block (MQA: a single KV
+head). Scores are one 576-wide dot written as two: ``q_nope . kv_c`` (L) plus ``q_pe . k_pe`` (R),
+so nothing is padded to 1024; the same ``kv_c`` tile is the value for ``P @ V``. Softmax runs in the
+exp2 domain with the scale folded in. Partials are written in float32 with ``lse = m + log l``.
+
+Safety: every cache read is masked to the split, the sequence length and the cache's capacity;
+a token inside ``cache_seqlens`` whose location is outside the cache (page id out of range,
+length beyond capacity) is never read: its rows come out NaN instead, with no host sync.
+
+This module imports triton; ``ops.py`` imports it only when a kernel is needed.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+import triton
+import triton.language as tl
+
+from .planner import MIN_CHUNK, SPLIT_GRANULE, rows_per_program
+from .reference import accumulation_dtype
+
+@triton.jit
+def _mla_decode_kernel(
+    Q,  # [B, S_q, H, L+R]
+    KV_C,  # [num_pages, page_size, L]  (non-paged: [B, T, L], a "page" per sequence)
+    K_PE,  # [num_pages, page_size, R]
+    SEQLENS,  # [B] int32
+    BLOCK_TABLE,  # [B, max_pages] int32 (unused when not PAGED)
+    O_PART,  # [B, S_q, H, num_splits, L] float32
+    LSE_PART,  # [B, S_q, H, num_splits] float32
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_qd,
+    stride_cp,
+    stride_ct,
+    stride_cd,
+    stride_pp,
+    stride_pt,
+    stride_pd,
+    stride_btb,
+    stride_btp,
+    stride_ob,
+    stride_os,
+    stride_oh,
+    stride_ok,
+    stride_od,
+    stride_lb,
+    stride_ls,
+    stride_lh,
+    stride_lk,
+    S_Q,
+    H,
+    L,
+    R,
+    NUM_PAGES,
+    MAX_PAGES,
+    PAGE_SIZE,
+    scale_log2,  # softmax_scale * log2(e)
+    num_splits,
+    MIN_CHUNK: tl.constexpr,
+    GRANULE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_PE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_bm = tl.program_id(0)
+    split = tl.program_id(1)
+    num_row_blocks = tl.cdiv(S_Q * H, BLOCK_M)
+    b = pid_bm // num_row_blocks
+    row_block = pid_bm % num_row_blocks
+    b64 = b.to(tl.int64)
+
+    rows = row_block * BLOCK_M + tl.arange(0, BLOCK_M)  # query row = s * H + h
+    row_ok = rows < S_Q * H
+    s_idx = rows // H
+    h_idx = rows % H
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    l_ok = offs_l < L
+
+    # This split's token range (same formula as planner.split_bounds).
+    seqlen = tl.load(SEQLENS + b)
+    per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), GRANULE) * GRANULE
+    chunk = tl.maximum(per_split, MIN_CHUNK)
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+
+    q_row = Q + b64 * stride_qb + s_idx * stride_qs + h_idx * stride_qh  # [BLOCK_M]
+    q_nope = tl.load(
+        q_row[:, None] + offs_l[None, :] * stride_qd, mask=row_ok[:, None] & l_ok[None, :], other=0.0
+    )  # [BLOCK_M, BLOCK_L]
+    if HAS_PE:
+        q_pe = tl.load(
+            q_row[:, None] + (L + offs_r[None, :]) * stride_qd,
+            mask=row_ok[:, None] & (offs_r[None, :] < R),
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_R]
+
+    if CAUSAL:
+        last_key = seqlen - S_Q + s_idx  # query i sees keys [0, seqlen - S_q + i]
+    else:
+        last_key = tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+    n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+
+    for tile_start in range(start, end, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        tok_ok = offs_n < end
+        if PAGED:
+            page_pos = offs_n // PAGE_SIZE
+            slot = offs_n % PAGE_SIZE
+            in_table = page_pos < MAX_PAGES
+            page = tl.load(
+                BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+                mask=tok_ok & in_table,
+                other=-1,
+            )
+            loc_ok = in_table & (page >= 0) & (page < NUM_PAGES)
+        else:
+            slot = offs_n
+            page = tl.zeros([BLOCK_N], dtype=tl.int32) + b
+            loc_ok = offs_n < PAGE_SIZE
+        n_bad += (tok_ok & ~loc_ok).to(tl.int32)
+        ld = tok_ok & loc_ok
+        page64 = tl.where(ld, page, 0).to(tl.int64)
+        slot64 = tl.where(ld, slot, 0).to(tl.int64)
+
+        kc_row = KV_C + page64 * stride_cp + slot64 * stride_ct  # [BLOCK_N]
+        kv = tl.load(
+            kc_row[:, None] + offs_l[None, :] * stride_cd, mask=ld[:, None] & l_ok[None, :], other=0.0
+        )  # [BLOCK_N, BLOCK_L]
+        qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if HAS_PE:
+            kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
+            kpe = tl.load(
+                kp_row[:, None] + offs_r[None, :] * stride_pd,
+                mask=ld[:, None] & (offs_r[None, :] < R),
+                other=0.0,
+            )  # [BLOCK_N, BLOCK_R]
+            qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+        qk = qk * scale_log2
+        visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    poisoned = tl.sum(n_bad, 0) > 0
+    out = tl.where(poisoned, float("nan"), out)
+    lse = tl.where(poisoned, float("nan"), lse)
+
+    o_row = O_PART + b64 * stride_ob + s_idx * stride_os + h_idx * stride_oh + split * stride_ok
+    tl.store(
+        o_row[:, None] + offs_l[None, :] * stride_od,
+        out.to(O_PART.dtype.element_ty),
+        mask=row_ok[:, None] & l_ok[None, :],
+    )
+    lse_ptr = LSE_PART + b64 * stride_lb + s_idx * stride_ls + h_idx * stride_lh + split * stride_lk
+    tl.store(lse_ptr, lse.to(LSE_PART.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    O_PART,  # [rows, S, L]
+    LSE_PART,  # [rows, S]
+    OUT,  # [rows, L]
+    LSE,  # [rows]
+    stride_or,
+    stride_ok,
+    stride_od,
+    stride_lr,
+    stride_lk,
+    stride_out_r,
+    stride_out_d,
+    NUM_SPLITS,
+    L,
+    BLOCK_S: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    s_ok = offs_s < NUM_SPLITS
+    lse_s = tl.load(LSE_PART + row * stride_lr + offs_s * stride_lk, mask=s_ok, other=float("-inf"))
+    lse_s = lse_s.to(tl.float32)
+    poisoned = tl.sum((lse_s != lse_s).to(tl.int32), 0) > 0  # any NaN
+    lse_max = tl.max(lse_s, 0)
+    shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp(lse_s - shift)
+    total = tl.sum(weight, 0)
+    lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
+    weight = weight / tl.where(total == 0.0, 1.0, total)
+    read = s_ok & (weight > 0.0)  # an empty split's output is never read
+    lse = tl.where(poisoned, float("nan"), lse)
+    tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
+    for l_start in range(0, L, BLOCK_L):
+        offs_l = l_start + tl.arange(0, BLOCK_L)
+        l_ok = offs_l < L
+        part = tl.load(
+            O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
+            mask=read[:, None] & l_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        out = tl.sum(part * weight[:, None], 0)
+        out = tl.where(poisoned, float("nan"), out)
+        tl.store(OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok)
+
+
+def _next_pow2(n: int, floor: int = 16) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+def decode(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the decode kernel; same contract as ``reference.decode``."""
+    batch, s_q, heads, _ = q.shape
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    acc = accumulation_dtype(q.dtype)
+    out = torch.empty((batch, s_q, heads, num_splits, kv_len), dtype=acc, device=q.device)
+    lse = torch.empty((batch, s_q, heads, num_splits), dtype=acc, device=q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+
+    rows = s_q * heads
+    block_m = rows_per_program(rows)
+    block_l = _next_pow2(kv_len)
+    block_r = _next_pow2(max(rope_len, 1))
+    block_n = 64 if block_l <= 256 else 32
+    num_warps = 4 if block_l <= 128 else 8
+    paged = block_table is not None
+    if paged:
+        num_pages, page_size = kv_c.shape[0], kv_c.shape[1]
+        max_pages = block_table.shape[1]
+        bt, bt_strides = block_table, block_table.stride()
+    else:
+        num_pages, page_size, max_pages = batch, kv_c.shape[1], 1
+        bt, bt_strides = cache_seqlens, (0, 0)  # never read
+    # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
+    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    grid = (batch * math.ceil(rows / block_m), num_splits)
+    with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
+        _mla_decode_kernel[grid](
+            q,
+            kv_c,
+            k_pe,
+            cache_seqlens,
+            bt,
+            out,
+            lse,
+            *q.stride(),
+            *kv_c.stride(),
+            *k_pe.stride(),
+            *bt_strides,
+            *out.stride(),
+            *lse.stride(),
+            s_q,
+            heads,
+            kv_len,
+            rope_len,
+            num_pages,
+            max_pages,
+            page_size,
+            softmax_scale * 1.4426950408889634,
+            num_splits,
+            MIN_CHUNK=MIN_CHUNK,
+            GRANULE=SPLIT_GRANULE,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_L=block_l,
+            BLOCK_R=block_r,
+            PAGED=paged,
+            CAUSAL=causal,
+            HAS_PE=rope_len > 0,
+            DOT_PRECISION=precision,
+            num_warps=num_warps,
+        )
+    return out, lse
+
+
+def combine(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the combine kernel; same contract as ``reference.combine``."""
+    lead = out_partial.shape[:-2]
+    num_splits, kv_len = out_partial.shape[-2:]
+    out = torch.empty(
+        (*lead, kv_len), dtype=out_dtype or out_partial.dtype, device=out_partial.device
+    )
+    lse = torch.empty(lead, dtype=accumulation_dtype(out_partial.dtype), device=out_partial.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    o3 = out_partial.reshape(-1, num_splits, kv_len)
+    l2 = lse_partial.reshape(-1, num_splits)
+    out2 = out.view(-1, kv_len)
+    with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
+        _mla_combine_kernel[(o3.shape[0],)](
+            o3,
+            l2,
+            out2,
+            lse.view(-1),
+            *o3.stride(),
+            *l2.stride(),
+            *out2.stride(),
+            num_splits,
+            kv_len,
+            BLOCK_S=_next_pow2(num_splits, floor=2),
+            BLOCK_L=min(_next_pow2(kv_len), 256),
+            num_warps=4,
+        )
+    return out, lse
