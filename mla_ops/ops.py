@@ -1,4 +1,4 @@
-"""MLA decode and combine: ``torch.library`` custom ops, their fake functions and the public wrappers.
+"""MLA decode and combine: ``torch.library`` custom ops, fake functions and the public wrappers.
 
 Two ops in namespace ``mla``:
 
@@ -7,8 +7,9 @@ Two ops in namespace ``mla``:
   split-KV attention of the absorbed query over the latent cache (MQA, one KV head). Scores are
   ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale``; the value is ``kv_c``. Empty splits give
   ``lse = -inf`` and ``out = 0``.
-* ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype) -> (out [..., L], lse [...])``:
-  the LSE merge of attention states (the splits above, or e.g. a prefix and a suffix).
+* ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
+  -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
+  e.g. a prefix and a suffix).
 
 CUDA runs Triton kernels; every other device runs the PyTorch implementation in ``reference.py``.
 The fake functions let ``torch.compile(fullgraph=True)`` and ``torch.export`` treat each op as
@@ -325,9 +326,9 @@ def mla_decode(
     """Multi-head latent attention decode over a (paged) latent cache.
 
     Args:
-        q: ``[B, S_q, H, L+R]`` absorbed query: ``q_nope @ W_UK`` concatenated with the roped ``q_pe``.
+        q: ``[B, S_q, H, L+R]`` absorbed query: ``q_nope @ W_UK`` concatenated with roped ``q_pe``.
         kv_cache: paged ``[num_pages, page_size, L+R]`` when ``block_table`` is given, else
-            ``[B, T, L+R]``; or a pair ``(kv_c [..., L], k_pe [..., R])``. Any strides; never copied.
+            ``[B, T, L+R]``; or a pair ``(kv_c [..., L], k_pe [..., R])``. Any strides, no copy.
         cache_seqlens: ``[B]`` int32, valid cached tokens per sequence, the S_q new ones included.
         block_table: ``[B, max_pages]`` int32 page ids into ``kv_cache``.
         head_dim_v: L, the value width: the value is ``kv_cache[..., :head_dim_v]``.
@@ -342,9 +343,15 @@ def mla_decode(
     kv_c, k_pe = split_kv_cache(kv_cache, head_dim_v)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    _check_floating("q", q)
-    if q.dim() != 4:
-        _fail(f"q must be [batch, S_q, heads, L+R], got shape {tuple(q.shape)}")
+    check_decode_args(
+        q,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        block_table,
+        softmax_scale,
+        1 if num_splits is None else num_splits,
+    )
     if num_splits is None:
         capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
         num_splits = plan_num_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)

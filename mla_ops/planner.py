@@ -4,8 +4,8 @@ Two separate decisions live here, and both the Triton kernel and the PyTorch ref
 that ``mla::decode`` returns the same partials on every device:
 
 * ``split_bounds``: given a sequence's length and the requested ``num_splits``, the token range of
-  each split. Chunks are at least ``MIN_CHUNK`` tokens and a multiple of ``SPLIT_GRANULE``, so a short
-  sequence uses fewer splits than requested and the rest are empty (``lse = -inf``, ``o = 0``).
+  each split. Chunks are at least ``MIN_CHUNK`` tokens and a multiple of ``SPLIT_GRANULE``, so a
+  short sequence uses fewer splits than requested; the rest are empty (``lse = -inf``, ``o = 0``).
   This is decided per sequence on the device, from ``cache_seqlens``, without a host sync.
 * ``plan_num_splits``: the host-side choice of ``num_splits`` from static quantities only (batch,
   query rows per sequence, cache capacity, multiprocessor count), never from the lengths' values,

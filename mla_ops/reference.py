@@ -22,7 +22,7 @@ def gather_rows(
 ) -> torch.Tensor:
     """The cache rows of every sequence in token order: ``[B, capacity, D]``.
 
-    cache: ``[num_pages, page_size, D]`` with ``block_table`` ``[B, max_pages]``, else ``[B, T, D]``.
+    cache: ``[num_pages, page_size, D]`` with ``block_table [B, max_pages]``, else ``[B, T, D]``.
     Table entries past a sequence's last page are never used, so they are clamped, not trusted.
     """
     if block_table is None:
@@ -51,7 +51,10 @@ def decode(
     acc = accumulation_dtype(q.dtype)
     kv_len = kv_c.shape[-1]
     rows = torch.cat(
-        [gather_rows(kv_c, cache_seqlens, block_table), gather_rows(k_pe, cache_seqlens, block_table)],
+        [
+            gather_rows(kv_c, cache_seqlens, block_table),
+            gather_rows(k_pe, cache_seqlens, block_table),
+        ],
         dim=-1,
     ).to(acc)  # [B, T, L+R]
     capacity = rows.shape[1]

@@ -25,6 +25,7 @@ import triton.language as tl
 from .planner import MIN_CHUNK, SPLIT_GRANULE, rows_per_program
 from .reference import accumulation_dtype
 
+
 @triton.jit
 def _mla_decode_kernel(
     Q,  # [B, S_q, H, L+R]
@@ -99,7 +100,9 @@ def _mla_decode_kernel(
 
     q_row = Q + b64 * stride_qb + s_idx * stride_qs + h_idx * stride_qh  # [BLOCK_M]
     q_nope = tl.load(
-        q_row[:, None] + offs_l[None, :] * stride_qd, mask=row_ok[:, None] & l_ok[None, :], other=0.0
+        q_row[:, None] + offs_l[None, :] * stride_qd,
+        mask=row_ok[:, None] & l_ok[None, :],
+        other=0.0,
     )  # [BLOCK_M, BLOCK_L]
     if HAS_PE:
         q_pe = tl.load(
@@ -108,10 +111,8 @@ def _mla_decode_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_R]
 
-    if CAUSAL:
-        last_key = seqlen - S_Q + s_idx  # query i sees keys [0, seqlen - S_q + i]
-    else:
-        last_key = tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
+    # Causal: query i sees keys [0, seqlen - S_q + i]; otherwise all of [0, seqlen).
+    last_key = seqlen - S_Q + s_idx if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -142,7 +143,9 @@ def _mla_decode_kernel(
 
         kc_row = KV_C + page64 * stride_cp + slot64 * stride_ct  # [BLOCK_N]
         kv = tl.load(
-            kc_row[:, None] + offs_l[None, :] * stride_cd, mask=ld[:, None] & l_ok[None, :], other=0.0
+            kc_row[:, None] + offs_l[None, :] * stride_cd,
+            mask=ld[:, None] & l_ok[None, :],
+            other=0.0,
         )  # [BLOCK_N, BLOCK_L]
         qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if HAS_PE:
@@ -227,7 +230,19 @@ def _mla_combine_kernel(
         ).to(tl.float32)
         out = tl.sum(part * weight[:, None], 0)
         out = tl.where(poisoned, float("nan"), out)
-        tl.store(OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok)
+        tl.store(
+            OUT + row * stride_out_r + offs_l * stride_out_d,
+            out.to(OUT.dtype.element_ty),
+            mask=l_ok,
+        )
+
+
+def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocate a kernel output (uninitialised: the kernels write every element).
+
+    Tests replace this with an allocator that fills NaN, to prove that claim.
+    """
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _next_pow2(n: int, floor: int = 16) -> int:
@@ -248,8 +263,8 @@ def decode(
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     acc = accumulation_dtype(q.dtype)
-    out = torch.empty((batch, s_q, heads, num_splits, kv_len), dtype=acc, device=q.device)
-    lse = torch.empty((batch, s_q, heads, num_splits), dtype=acc, device=q.device)
+    out = new_output((batch, s_q, heads, num_splits, kv_len), acc, q.device)
+    lse = new_output((batch, s_q, heads, num_splits), acc, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
@@ -315,10 +330,8 @@ def combine(
     """Launch the combine kernel; same contract as ``reference.combine``."""
     lead = out_partial.shape[:-2]
     num_splits, kv_len = out_partial.shape[-2:]
-    out = torch.empty(
-        (*lead, kv_len), dtype=out_dtype or out_partial.dtype, device=out_partial.device
-    )
-    lse = torch.empty(lead, dtype=accumulation_dtype(out_partial.dtype), device=out_partial.device)
+    out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
+    lse = new_output(tuple(lead), accumulation_dtype(out_partial.dtype), out_partial.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     o3 = out_partial.reshape(-1, num_splits, kv_len)

@@ -1,0 +1,434 @@
+"""MLA decode kernel benchmark: mla_decode vs peers vs the hardware roofline, on one GPU.
+
+    python benchmarks/bench_decode.py [--cases a,b,...] [--out benchmarks/results] [--quick]
+
+Method
+- Ceilings measured first in the same run: device-to-device copy bandwidth (bytes read + written,
+  1 GiB) and a bf16 8192^3 matmul rate, both on random data, median of do_bench.
+- Each case: bf16, paged cache (page size 64 unless said), random data (never zeros), pages of
+  different sequences interleaved. Inputs are rotated among copies whenever one copy is under
+  4x the L2 size. Times are medians of ``triton.testing.do_bench`` (CUDA events).
+- roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
+  bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
+- Every implementation's output is checked against a float32 torch reference before timing.
+- Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
+  SDPA over an expanded MQA, FlexAttention (where it compiles). FlashInfer is reported as missing
+  when it cannot be imported.
+Writes JSON + CSV (+ PNG) named by device and date under --out; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mla_ops
+from mla_ops.planner import plan_num_splits
+
+L, R = 512, 64
+SCALE = 0.1352337788608801
+
+
+@dataclass
+class Case:
+    name: str
+    batch: int
+    heads: int
+    context: int  # tokens per sequence (max for ragged)
+    s_q: int = 1
+    page_size: int = 64
+    ragged: bool = False
+
+
+CASES = {
+    "a": Case("a", 128, 16, 4096),
+    "b": Case("b", 32, 128, 4096),
+    "c": Case("c", 1, 128, 32768),
+    "d": Case("d", 4, 16, 65536),
+    "e": Case("e", 64, 16, 8192, ragged=True),
+    "f": Case("f", 64, 128, 4096, s_q=2),
+    "g": Case("g", 128, 16, 4096, page_size=1),
+}
+
+
+@dataclass
+class Row:
+    case: str
+    impl: str
+    time_us: float | None
+    gbps: float | None = None
+    tflops: float | None = None
+    roofline_fraction: float | None = None
+    rel_err: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (1 GiB, random bf16)."""
+    x = torch.randn(2**29, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    t = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median") * 1e-3
+    return 2 * x.numel() * x.element_size() / t
+
+
+def ceilings() -> dict:
+    copy_bw = copy_bandwidth()
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median") * 1e-3
+    return {"copy_bw_Bps": copy_bw, "bf16_matmul_flops": 2 * n**3 / t}
+
+
+class Inputs:
+    """One copy of a case's inputs: paged cache + block table, and a contiguous view for peers."""
+
+    def __init__(self, case: Case, gen: torch.Generator, with_contiguous: bool) -> None:
+        dev, dt = "cuda", torch.bfloat16
+        b, t, ps = case.batch, case.context, case.page_size
+        if case.ragged:
+            lengths = torch.randint(1, t + 1, (b,), generator=gen)
+        else:
+            lengths = torch.full((b,), t)
+        lengths = lengths.clamp_min(case.s_q)
+        pages_per_seq = -(-int(lengths.max()) // ps)
+        num_pages = b * pages_per_seq
+        self.kv_cache = torch.randn(num_pages, ps, L + R, generator=gen).to(dev, dt)
+        self.block_table = (
+            torch.randperm(num_pages, generator=gen).view(b, pages_per_seq).to(dev, torch.int32)
+        )
+        self.cache_seqlens = lengths.to(dev, torch.int32)
+        self.q = torch.randn(b, case.s_q, case.heads, L + R, generator=gen).to(dev, dt)
+        self.lengths = lengths
+        self.contiguous = None
+        if with_contiguous:  # [B, T, L+R], rows past each length are never attended
+            self.contiguous = self.kv_cache[self.block_table.long()].view(b, -1, L + R)
+
+
+def reference(inp: Inputs, case: Case) -> torch.Tensor:
+    """float32 masked attention, one sequence at a time (keeps memory small)."""
+    outs = []
+    for b in range(case.batch):
+        n = int(inp.lengths[b])
+        rows = inp.kv_cache[inp.block_table[b].long()].view(-1, L + R)[:n].float()
+        q = inp.q[b].float()  # [S_q, H, L+R]
+        s = torch.einsum("shd,td->sht", q, rows) * SCALE
+        last = n - case.s_q + torch.arange(case.s_q, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= last[:, None]
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        outs.append(torch.einsum("sht,tl->shl", s.softmax(-1), rows[:, :L]))
+    return torch.stack(outs)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def impls(case: Case):
+    """name -> (make_fn(inp) -> callable returning out [B, S_q, H, L], note)."""
+
+    def ours(inp: Inputs):
+        return lambda: mla_ops.mla_decode(
+            inp.q,
+            inp.kv_cache,
+            inp.cache_seqlens,
+            block_table=inp.block_table,
+            head_dim_v=L,
+            softmax_scale=SCALE,
+        )[0]
+
+    def eager_einsum(inp: Inputs):
+        kv, q = inp.contiguous, inp.q
+        t = kv.shape[1]
+        last = inp.cache_seqlens[:, None] - case.s_q + torch.arange(case.s_q, device="cuda")
+        mask = torch.arange(t, device="cuda")[None, None, :] <= last[:, :, None]  # [B, S_q, T]
+        bias = torch.zeros(mask.shape, device="cuda", dtype=torch.float32).masked_fill(
+            ~mask, float("-inf")
+        )[:, :, None, :]
+
+        def fn():
+            s = torch.einsum("bshd,btd->bsht", q, kv).float() * SCALE + bias
+            return torch.einsum("bsht,btl->bshl", s.softmax(-1).to(kv.dtype), kv[..., :L])
+
+        return fn
+
+    def sdpa_mqa(inp: Inputs):
+        kv, q = inp.contiguous, inp.q
+        b, t = kv.shape[:2]
+        last = inp.cache_seqlens[:, None] - case.s_q + torch.arange(case.s_q, device="cuda")
+        mask = torch.arange(t, device="cuda")[None, None, :] <= last[:, :, None]
+        mask = mask[:, None]  # [B, 1, S_q, T]
+        k = kv[:, None].expand(b, case.heads, t, L + R)
+        v = kv[:, None, :, :L].expand(b, case.heads, t, L)
+
+        def fn():
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k, v, attn_mask=mask, scale=SCALE
+            )
+            return o.transpose(1, 2)
+
+        return fn
+
+    def flex(inp: Inputs):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        kv, q = inp.contiguous, inp.q
+        b, t = kv.shape[:2]
+        seqlens = inp.cache_seqlens
+
+        def mask_mod(bi, h, qi, ki):
+            return ki <= seqlens[bi] - case.s_q + qi
+
+        bm = create_block_mask(mask_mod, b, None, case.s_q, t, device="cuda")
+        fa = torch.compile(flex_attention, fullgraph=True)
+        k = kv[:, None]
+        v = kv[:, None, :, :L]
+
+        def fn():
+            o = fa(q.transpose(1, 2), k, v, block_mask=bm, scale=SCALE, enable_gqa=True)
+            return o.transpose(1, 2)
+
+        return fn
+
+    return {"mla_decode": ours, "eager_einsum": eager_einsum, "sdpa_mqa": sdpa_mqa, "flex": flex}
+
+
+def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
+    """Bytes (cache rows read + q + out) and flops of one call."""
+    tokens = float(inp.lengths.sum())
+    elt = 2
+    q_bytes = case.batch * case.s_q * case.heads * (L + R) * elt
+    o_bytes = case.batch * case.s_q * case.heads * L * elt
+    nbytes = tokens * (L + R) * elt + q_bytes + o_bytes
+    flops = 2 * case.heads * case.s_q * tokens * (2 * L + R)
+    return nbytes, flops
+
+
+def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
+    gen = torch.Generator().manual_seed(0)
+    first = Inputs(case, gen, with_contiguous=peers)
+    one_copy = first.kv_cache.numel() * 2
+    copies = [first] + [
+        Inputs(case, gen, with_contiguous=peers)
+        for _ in range(min(8, math.ceil(4 * l2_bytes / one_copy)) - 1)
+    ]
+    nbytes, flops = case_cost(case, first)
+    floor = max(nbytes / ceil["copy_bw_Bps"], flops / ceil["bf16_matmul_flops"])
+    ref = reference(first, case)
+    rows = []
+    names = ["mla_decode"] + (["eager_einsum", "sdpa_mqa", "flex"] if peers else [])
+    for name in names:
+        progress(f"{case.name}:{name}")
+        try:
+            fns = [impls(case)[name](inp) for inp in copies]
+            err = rel_err(fns[0](), ref)
+            counter = [0]
+
+            def rotating(fns=fns, counter=counter):
+                counter[0] += 1
+                return fns[counter[0] % len(fns)]()
+
+            t = do_bench(rotating, warmup=25, rep=200, return_mode="median") * 1e-3
+            rows.append(
+                Row(
+                    case.name,
+                    name,
+                    t * 1e6,
+                    nbytes / t / 1e9,
+                    flops / t / 1e12,
+                    floor / t,
+                    err,
+                    extra={"copies": len(copies)},
+                )
+            )
+        except Exception as exc:  # a peer that does not run here is reported, not hidden
+            msg = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            rows.append(Row(case.name, name, None, note=msg))
+        torch.cuda.empty_cache()
+
+    # Split into decode and combine: the combine's share of the total.
+    inp = first
+    num_splits = plan_num_splits(case.batch, case.heads * case.s_q, None, inp.q.device)
+    args = (
+        inp.q,
+        inp.kv_cache[..., :L],
+        inp.kv_cache[..., L:],
+        inp.cache_seqlens,
+        inp.block_table,
+        SCALE,
+        True,
+        num_splits,
+    )
+    o_p, l_p = torch.ops.mla.decode(*args)
+    t_comb = do_bench(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16), return_mode="median")
+    ours = rows[0]
+    if ours.time_us:
+        ours.extra.update(
+            num_splits=num_splits,
+            combine_us=t_comb * 1e3,
+            combine_share=t_comb * 1e3 / ours.time_us,
+        )
+    return rows
+
+
+def cuda_graph_replay(case: Case) -> dict:
+    """Capture mla_decode in a CUDA graph and time its replays (case a)."""
+    inp = Inputs(case, torch.Generator().manual_seed(1), with_contiguous=False)
+    fn = lambda: mla_ops.mla_decode(
+        inp.q,
+        inp.kv_cache,
+        inp.cache_seqlens,
+        block_table=inp.block_table,
+        head_dim_v=L,
+        softmax_scale=SCALE,
+    )
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = fn()
+    graph.replay()
+    eager_out = fn()[0]
+    ok = torch.equal(out, eager_out)
+    t = do_bench(graph.replay, return_mode="median") * 1e3
+    return {"case": case.name, "graph_replay_us": t, "matches_eager": ok}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--no-peers", action="store_true", help="time mla_decode only")
+    p.add_argument("--tag", default="", help="suffix for the result files")
+    args = p.parse_args()
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "device": torch.cuda.get_device_name(0),
+        "sms": props.multi_processor_count,
+        "l2_bytes": props.L2_cache_size,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import flashinfer
+
+        meta["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        meta["flashinfer"] = "not installed on this machine (no network): not measured"
+    ceil = ceilings()
+    meta.update(ceil)
+    selected = [CASES[c] for c in args.cases.split(",")]
+    bar = tqdm(total=len(selected), desc="cases", file=sys.stderr) if tqdm else None
+    rows: list[Row] = []
+    t0 = time.time()
+    for case in selected:
+        progress = (lambda s: bar.set_postfix_str(s)) if bar else (lambda s: None)
+        rows += run_case(case, ceil, not args.no_peers, props.L2_cache_size, progress)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    graph = cuda_graph_replay(CASES["a"])
+    meta["wall_s"] = time.time() - t0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"decode_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}{args.tag}"
+    (out / f"{stem}.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "cases": {c.name: asdict(c) for c in selected},
+                "rows": [asdict(r) for r in rows],
+                "cuda_graph": graph,
+            },
+            indent=1,
+        )
+    )
+    with open(out / f"{stem}.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))
+    try:
+        plot(rows, meta, out / f"{stem}.png")
+    except Exception as exc:
+        print(f"plot skipped: {exc}")
+
+    print(
+        f"\n{meta['device']}  torch {meta['torch']}  triton {meta['triton']}  "
+        f"copy {ceil['copy_bw_Bps'] / 1e9:.0f} GB/s  "
+        f"bf16 mm {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  flashinfer: {meta['flashinfer']}"
+    )
+    print(
+        f"{'case':<5}{'impl':<14}{'us':>10}{'GB/s':>8}{'TFLOP/s':>9}{'roofline':>9}{'rel_err':>9}"
+        f"{'splits':>7}{'comb%':>7}  note"
+    )
+    for r in rows:
+        t = f"{r.time_us:10.1f}" if r.time_us else f"{'-':>10}"
+        g = f"{r.gbps:8.0f}" if r.gbps else f"{'-':>8}"
+        fl = f"{r.tflops:9.1f}" if r.tflops else f"{'-':>9}"
+        rf = f"{r.roofline_fraction:9.2f}" if r.roofline_fraction else f"{'-':>9}"
+        e = f"{r.rel_err:9.1e}" if r.rel_err is not None else f"{'-':>9}"
+        sp = f"{r.extra.get('num_splits', ''):>7}"
+        cs = f"{100 * r.extra['combine_share']:6.1f}%" if "combine_share" in r.extra else f"{'':>7}"
+        print(f"{r.case:<5}{r.impl:<14}{t}{g}{fl}{rf}{e}{sp}{cs}  {r.note[:60]}")
+    print(
+        f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
+        f"matches eager: {graph['matches_eager']}"
+    )
+
+
+def plot(rows: list[Row], meta: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impl_names = sorted({r.impl for r in rows}, key=lambda n: n != "mla_decode")
+    cases = sorted({r.case for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(impl_names)
+    for i, name in enumerate(impl_names):
+        vals = [
+            next((r.roofline_fraction or 0 for r in rows if r.case == c and r.impl == name), 0)
+            for c in cases
+        ]
+        ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases)
+    ax.set_ylabel("fraction of roofline")
+    ax.set_title(
+        f"MLA decode, bf16 - {meta['device']}, torch {meta['torch']}, triton {meta['triton']}"
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

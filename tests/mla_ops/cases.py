@@ -1,0 +1,161 @@
+"""Seeded random decode problems covering the op's whole input space, and dtype tolerances."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+# (atol, rtol) of an output against the float64 reference, by input dtype.
+TOLERANCE = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (3e-3, 3e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+# LSE is accumulated in float32 from the same products in every dtype but float64.
+LSE_TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 2e-5,
+    torch.float16: 2e-4,
+    torch.bfloat16: 2e-4,
+}
+
+
+@dataclass
+class DecodeCase:
+    q: torch.Tensor  # [B, S_q, H, L+R]
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    kv_c: torch.Tensor  # view of the cache's first L columns
+    k_pe: torch.Tensor  # view of the cache's last R columns
+    cache_seqlens: torch.Tensor  # [B] int32
+    block_table: torch.Tensor | None  # [B, max_pages] int32
+    head_dim_v: int
+    softmax_scale: float
+    causal: bool
+    num_splits: int
+
+    def op_args(self) -> tuple:
+        return (
+            self.q,
+            self.kv_c,
+            self.k_pe,
+            self.cache_seqlens,
+            self.block_table,
+            self.softmax_scale,
+            self.causal,
+            self.num_splits,
+        )
+
+    def describe(self) -> str:
+        b, s, h, d = self.q.shape
+        page = None if self.block_table is None else self.kv_c.shape[1]
+        return (
+            f"B={b} S_q={s} H={h} L={self.head_dim_v} R={d - self.head_dim_v} page={page} "
+            f"lens={self.cache_seqlens.tolist()} causal={self.causal} splits={self.num_splits} "
+            f"pair={isinstance(self.kv_cache, tuple)} dtype={self.q.dtype}"
+        )
+
+
+def make_case(
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    batch: int | None = None,
+    s_q: int | None = None,
+    heads: int | None = None,
+    dims: tuple[int, int] | None = None,
+    page_size: int | str | None = "random",
+    causal: bool | None = None,
+    num_splits: int | None = None,
+    pair: bool | None = None,
+    max_len: int | None = None,
+    lengths: list[int] | None = None,
+) -> DecodeCase:
+    """A random decode problem; every argument left out is drawn from ``seed``."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    batch = batch if batch is not None else (len(lengths) if lengths else rng.choice([1, 2, 3, 5]))
+    s_q = s_q or rng.choice([1, 1, 2, 3, 8])
+    heads = heads or rng.choice([1, 3, 4, 16, 20])
+    kv_len, rope_len = dims or rng.choice([(32, 16), (64, 0), (16, 16), (48, 8)])
+    if page_size == "random":
+        page_size = rng.choice([None, 1, 3, 16, 64])
+    causal = rng.random() < 0.7 if causal is None else causal
+    num_splits = num_splits or rng.choice([1, 1, 2, 3, 5])
+    pair = rng.random() < 0.3 if pair is None else pair
+    max_len = max_len or rng.choice([20, 70, 300, 700])
+    if lengths is None:
+        choices = [0, s_q, max_len, None, None]
+        lengths = [
+            c if c is not None else rng.randint(s_q, max_len)
+            for c in (rng.choice(choices) for _ in range(batch))
+        ]
+    row = kv_len + rope_len
+
+    # The cache is a slice of a wider buffer, so rows are strided (never assumed contiguous).
+    pad = rng.choice([0, 8])
+    if page_size is None:
+        capacity = max([*lengths, 1]) + rng.randint(0, 5)
+        storage = torch.randn(batch, capacity, row + pad, generator=gen)
+        block_table = None
+    else:
+        max_pages = math.ceil(max([*lengths, 1]) / page_size) + rng.randint(0, 1)
+        num_pages = batch * max_pages + rng.randint(0, 3)
+        storage = torch.randn(num_pages, page_size, row + pad, generator=gen)
+        # Pages of different sequences interleave; entries past a sequence's pages are junk.
+        ids = torch.randperm(num_pages, generator=gen)[: batch * max_pages].reshape(
+            batch, max_pages
+        )
+        for b, length in enumerate(lengths):
+            ids[b, math.ceil(length / page_size) :] = rng.choice([-1, 10**6, 0])
+        block_table = ids.to(torch.int32).to(device)
+    cache = storage[..., :row].to(dtype).to(device)
+    kv_c, k_pe = cache[..., :kv_len], cache[..., kv_len:]
+    if pair:
+        # Hugging Face keeps kv_c and k_pe in separate tensors.
+        kv_c, k_pe = kv_c.clone(), k_pe.clone()
+        kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (kv_c, k_pe)
+    else:
+        kv_cache = cache
+    q = torch.randn(batch, s_q, heads, row, generator=gen).to(dtype).to(device)
+    return DecodeCase(
+        q=q,
+        kv_cache=kv_cache,
+        kv_c=kv_c,
+        k_pe=k_pe,
+        cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        block_table=block_table,
+        head_dim_v=kv_len,
+        softmax_scale=rng.uniform(0.5, 2.0) / math.sqrt(row),
+        causal=causal,
+        num_splits=num_splits,
+    )
+
+
+def assert_matches(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    ref_out: torch.Tensor,
+    ref_lse: torch.Tensor,
+    dtype: torch.dtype,
+    context: str = "",
+) -> None:
+    """Output and LSE against the float64 reference; empty rows must be exactly 0 and -inf."""
+    atol, rtol = TOLERANCE[dtype]
+    out64, lse64 = out.detach().cpu().double(), lse.detach().cpu().double()
+    assert not torch.isnan(out64).any(), f"NaN in output: {context}"
+    assert not torch.isnan(lse64).any(), f"NaN in lse: {context}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse64), empty), f"-inf pattern of lse differs: {context}"
+    assert (out64[empty] == 0).all(), f"empty rows are not zero: {context}"
+    torch.testing.assert_close(
+        out64, ref_out, atol=atol, rtol=rtol, msg=lambda m: f"{context}\n{m}"
+    )
+    lse_tol = LSE_TOLERANCE[dtype]
+    torch.testing.assert_close(
+        lse64[~empty], ref_lse[~empty], atol=lse_tol, rtol=lse_tol, msg=lambda m: f"{context}\n{m}"
+    )

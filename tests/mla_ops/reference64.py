@@ -1,0 +1,62 @@
+"""An independent float64 reference for MLA decode, written for clarity, not speed.
+
+It shares no code with ``mla_ops``: it walks each sequence's tokens through the block table
+itself and runs a plain softmax per query, in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cache_rows(
+    cache: torch.Tensor, block_table: torch.Tensor | None, batch_index: int, length: int
+) -> torch.Tensor:
+    """Rows ``[length, D]`` of one sequence, in token order, as float64."""
+    if block_table is None:
+        return cache[batch_index, :length].double()
+    page_size = cache.shape[1]
+    tokens = torch.arange(length)
+    pages = block_table[batch_index].long().cpu()[tokens // page_size]
+    return cache.cpu()[pages, tokens % page_size].double()
+
+
+def mla_attention(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    token_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q [B, S_q, H, L+R]`` over the cache: ``out [B, S_q, H, L], lse [B, S_q, H]``.
+
+    token_range: optional per-sequence ``(start [B], end [B])``: only those keys are attended
+    (one split's partial state). Everything is computed in float64 on the CPU.
+    """
+    batch, s_q, heads, _ = q.shape
+    kv_len = kv_c.shape[-1]
+    out = torch.zeros(batch, s_q, heads, kv_len, dtype=torch.float64)
+    lse = torch.full((batch, s_q, heads), float("-inf"), dtype=torch.float64)
+    for b in range(batch):
+        length = int(cache_seqlens[b])
+        keys = torch.cat(
+            [cache_rows(kv_c, block_table, b, length), cache_rows(k_pe, block_table, b, length)],
+            dim=-1,
+        )  # [length, L+R]
+        for i in range(s_q):
+            first, last = 0, length - 1  # inclusive
+            if causal:
+                last = length - s_q + i
+            if token_range is not None:
+                first = max(first, int(token_range[0][b]))
+                last = min(last, int(token_range[1][b]) - 1)
+            if last < first:
+                continue
+            k = keys[first : last + 1]  # [n, L+R]
+            scores = q[b, i].cpu().double() @ k.T * softmax_scale  # [H, n]
+            lse[b, i] = torch.logsumexp(scores, dim=-1)
+            out[b, i] = torch.softmax(scores, dim=-1) @ k[:, :kv_len]
+    return out, lse

@@ -1,0 +1,83 @@
+"""mla_combine: merging attention states by LSE, against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_ops
+from tests.conftest import HAS_CUDA
+from tests.mla_ops.cases import make_case
+from tests.mla_ops.reference64 import mla_attention
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def merge64(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: softmax-weighted sum, one row at a time, in float64."""
+    out_p, lse_p = out_p.double().cpu(), lse_p.double().cpu()
+    out = torch.zeros(out_p.shape[:-2] + out_p.shape[-1:], dtype=torch.float64)
+    lse = torch.full(lse_p.shape[:-1], float("-inf"), dtype=torch.float64)
+    for idx in torch.cartesian_prod(*[torch.arange(n) for n in lse_p.shape[:-1]]).reshape(
+        -1, lse_p.dim() - 1
+    ):
+        i = tuple(idx.tolist())
+        alive = torch.isfinite(lse_p[i])
+        if not alive.any():
+            continue
+        lse[i] = torch.logsumexp(lse_p[i][alive], 0)
+        w = torch.exp(lse_p[i][alive] - lse[i])
+        out[i] = (w[:, None] * out_p[i][alive]).sum(0)
+    return out, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_matches_reference(device: str, num_splits: int, dtype: torch.dtype) -> None:
+    out_p = torch.randn(2, 3, 5, num_splits, 24, dtype=dtype, device=device)
+    lse_p = (torch.randn(2, 3, 5, num_splits, device=device) * 4).to(dtype)
+    lse_p[0, 1, 2] = float("-inf")
+    if num_splits > 1:
+        lse_p[1, 0, :, 1] = float("-inf")
+    out, lse = mla_ops.mla_combine(out_p, lse_p)
+    ref, ref_lse = merge64(out_p, lse_p)
+    assert out.dtype == dtype and out.shape == (2, 3, 5, 24)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.cpu().double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=tol, rtol=tol)
+    assert (out[0, 1, 2] == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_dtype(device: str) -> None:
+    out, lse = mla_ops.mla_combine(
+        torch.randn(4, 2, 8, device=device), torch.randn(4, 2, device=device), torch.bfloat16
+    )
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefix_and_suffix_states_merge_into_full_attention(device: str) -> None:
+    """Combine is not only for splits: attention over a prefix and a suffix computed apart."""
+    case = make_case(11, device=device, lengths=[90, 130], s_q=1, causal=False, page_size=None)
+    split_at = torch.tensor([40, 77])
+    seq = case.cache_seqlens.cpu()
+    args = case.op_args()[:-1]
+    prefix = mla_attention(*args, token_range=(torch.zeros(2, dtype=torch.long), split_at))
+    suffix = mla_attention(*args, token_range=(split_at, seq.long()))
+    out_p = torch.stack([prefix[0], suffix[0]], dim=-2).float().to(device)
+    lse_p = torch.stack([prefix[1], suffix[1]], dim=-1).float().to(device)
+    out, lse = mla_ops.mla_combine(out_p, lse_p)
+    full_out, full_lse = mla_attention(*args)
+    torch.testing.assert_close(out.cpu().double(), full_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), full_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_state_propagates(device: str) -> None:
+    lse_p = torch.zeros(3, 2, device=device)
+    lse_p[1, 0] = float("nan")
+    out, lse = mla_ops.mla_combine(torch.ones(3, 2, 4, device=device), lse_p)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1])
+    assert not torch.isnan(out[[0, 2]]).any()

@@ -1,0 +1,169 @@
+"""mla_decode (decode + combine through the public wrapper) against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_ops
+from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds
+from tests.conftest import HAS_CUDA, requires_cuda
+from tests.mla_ops.cases import assert_matches, make_case
+from tests.mla_ops.reference64 import mla_attention
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def run_and_check(case, dtype) -> None:
+    out, lse = mla_ops.mla_decode(
+        case.q,
+        case.kv_cache,
+        case.cache_seqlens,
+        block_table=case.block_table,
+        head_dim_v=case.head_dim_v,
+        softmax_scale=case.softmax_scale,
+        causal=case.causal,
+        num_splits=case.num_splits,
+    )
+    b, s, h, _ = case.q.shape
+    assert out.shape == (b, s, h, case.head_dim_v) and out.dtype == case.q.dtype
+    assert lse.shape == (b, s, h)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    ref_out, ref_lse = mla_attention(
+        case.q,
+        case.kv_c,
+        case.k_pe,
+        case.cache_seqlens,
+        case.block_table,
+        case.softmax_scale,
+        case.causal,
+    )
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", range(24))
+def test_random_problems(seed: int, dtype: torch.dtype, device: str) -> None:
+    run_and_check(make_case(seed, dtype=dtype, device=device), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 3, 64, None])
+@pytest.mark.parametrize("s_q", [1, 2, 8])
+def test_mixed_lengths_with_empty_sequences(s_q: int, page_size: int | None, device: str) -> None:
+    lengths = [0, s_q, 700, 0, 257, s_q + 1]
+    case = make_case(
+        1, device=device, s_q=s_q, page_size=page_size, lengths=lengths, num_splits=4, causal=True
+    )
+    run_and_check(case, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads", [1, 3, 16, 20, 128])
+def test_head_counts(heads: int, device: str) -> None:
+    case = make_case(2, device=device, heads=heads, s_q=2, dims=(32, 16), max_len=300)
+    run_and_check(case, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_rope_part(device: str) -> None:
+    for pair in (False, True):
+        case = make_case(3, device=device, dims=(64, 0), pair=pair, page_size=16)
+        assert case.k_pe.shape[-1] == 0
+        run_and_check(case, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_batch(device: str) -> None:
+    q = torch.randn(0, 1, 4, 48, device=device)
+    cache = torch.randn(0, 10, 48, device=device)
+    seqlens = torch.zeros(0, dtype=torch.int32, device=device)
+    out, lse = mla_ops.mla_decode(q, cache, seqlens, head_dim_v=32, softmax_scale=0.1)
+    assert out.shape == (0, 1, 4, 32) and lse.shape == (0, 1, 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_planner_default_is_correct(device: str) -> None:
+    case = make_case(4, device=device, num_splits=1, max_len=2000, page_size=64)
+    out, lse = mla_ops.mla_decode(
+        case.q,
+        case.kv_cache,
+        case.cache_seqlens,
+        block_table=case.block_table,
+        head_dim_v=case.head_dim_v,
+        softmax_scale=case.softmax_scale,
+        causal=case.causal,
+    )
+    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, case.describe())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(8))
+def test_partials_are_per_split_attention(seed: int, device: str) -> None:
+    """Each split's partial state is attention over exactly that split's tokens."""
+    case = make_case(seed, device=device, max_len=900, num_splits=3)
+    out_p, lse_p = torch.ops.mla.decode(*case.op_args())
+    start, end = split_bounds(case.cache_seqlens.cpu(), case.num_splits)
+    for split in range(case.num_splits):
+        ref_out, ref_lse = mla_attention(
+            *case.op_args()[:-1], token_range=(start[:, split], end[:, split])
+        )
+        assert_matches(
+            out_p[:, :, :, split],
+            lse_p[:, :, :, split],
+            ref_out,
+            ref_lse,
+            torch.float32,
+            f"split {split}: {case.describe()}",
+        )
+
+
+def test_split_bounds_cover_each_sequence() -> None:
+    lengths = torch.tensor([0, 1, 255, 256, 257, 1000, 4096, 65536], dtype=torch.int32)
+    for num_splits in (1, 2, 3, 7, 64):
+        start, end = split_bounds(lengths, num_splits)
+        for b, length in enumerate(lengths.tolist()):
+            covered = []
+            for s in range(num_splits):
+                if end[b, s] > start[b, s]:
+                    covered.extend(range(int(start[b, s]), int(end[b, s])))
+                    assert start[b, s] % SPLIT_GRANULE == 0
+            assert covered == list(range(length))
+            nonempty = int((end[b] > start[b]).sum())
+            assert nonempty <= max(1, -(-length // MIN_CHUNK))
+
+
+@requires_cuda
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("s_q", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> None:
+    """DeepSeek-V3: L=512, R=64, page size 64, mixed lengths up to 4096, planner's splits."""
+    lengths = [4096, 1, 0, 1000, 3333, 64, 65, 2048][: 8 if heads == 16 else 4]
+    lengths = [max(x, s_q) if x else 0 for x in lengths]
+    case = make_case(
+        5,
+        dtype=dtype,
+        device="cuda",
+        heads=heads,
+        s_q=s_q,
+        dims=(512, 64),
+        page_size=64,
+        lengths=lengths,
+        causal=True,
+        pair=False,
+    )
+    case.softmax_scale = 0.1352337788608801  # DeepSeek-V3's (P+R)**-0.5 * mscale**2
+    out, lse = mla_ops.mla_decode(
+        case.q,
+        case.kv_cache,
+        case.cache_seqlens,
+        block_table=case.block_table,
+        head_dim_v=512,
+        softmax_scale=case.softmax_scale,
+    )
+    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())

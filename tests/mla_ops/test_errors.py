@@ -1,0 +1,130 @@
+"""Bad input gets an error that names the argument and what was expected."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_ops
+
+B, S, H, L, R = 2, 1, 4, 32, 16
+
+
+def good(**overrides):
+    args = dict(
+        q=torch.randn(B, S, H, L + R),
+        kv_cache=torch.randn(6, 16, L + R),
+        cache_seqlens=torch.tensor([20, 5], dtype=torch.int32),
+        block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32),
+        head_dim_v=L,
+        softmax_scale=0.1,
+    )
+    args.update(overrides)
+    return args
+
+
+def call(**overrides):
+    a = good(**overrides)
+    return mla_ops.mla_decode(a.pop("q"), a.pop("kv_cache"), a.pop("cache_seqlens"), **a)
+
+
+def test_good_call_works() -> None:
+    out, _ = call()
+    assert out.shape == (B, S, H, L)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "pattern"),
+    [
+        ({"q": torch.randn(B, S, H, L + R + 1)}, ValueError, r"q's last dimension must be L\+R"),
+        ({"q": torch.randn(B, H, L + R)}, ValueError, r"q must be \[batch, S_q, heads, L\+R\]"),
+        ({"q": torch.randn(B, S, H, L + R).int()}, TypeError, "q must be bfloat16"),
+        ({"head_dim_v": L + R + 1}, ValueError, "head_dim_v=49 is larger than the cache row"),
+        ({"head_dim_v": 0}, ValueError, "head_dim_v must be a positive int"),
+        (
+            {"kv_cache": (torch.randn(6, 16, L), torch.randn(6, 16, R)), "head_dim_v": 16},
+            ValueError,
+            "head_dim_v=16 must equal kv_c's last dimension",
+        ),
+        ({"kv_cache": torch.randn(6, 16, L + R).half()}, TypeError, "kv_c must have q's dtype"),
+        ({"kv_cache": torch.randn(96, L + R)}, ValueError, "kv_cache must be"),
+        ({"kv_cache": [torch.randn(6, 16, L)]}, TypeError, "kv_cache must be a tensor"),
+        (
+            {"cache_seqlens": torch.tensor([20, 5], dtype=torch.int64)},
+            TypeError,
+            "cache_seqlens must be int32",
+        ),
+        (
+            {"cache_seqlens": torch.tensor([20, 5, 1], dtype=torch.int32)},
+            ValueError,
+            r"cache_seqlens must be \[batch=2\]",
+        ),
+        (
+            {"block_table": torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)},
+            TypeError,
+            "block_table must be int32",
+        ),
+        (
+            {"block_table": torch.tensor([0, 1], dtype=torch.int32)},
+            ValueError,
+            "block_table must have 2 dimension",
+        ),
+        (
+            {"cache_seqlens": torch.tensor([33, 5], dtype=torch.int32)},
+            ValueError,
+            r"cache_seqlens \[33, 5\] exceed block_table capacity 2 pages x 16 = 32",
+        ),
+        (
+            {"cache_seqlens": torch.tensor([-1, 5], dtype=torch.int32)},
+            ValueError,
+            "cache_seqlens must be >= 0",
+        ),
+        (
+            {"block_table": torch.tensor([[0, 9], [2, 3]], dtype=torch.int32)},
+            ValueError,
+            r"block_table holds page ids outside \[0, 6\)",
+        ),
+        (
+            {"block_table": None},
+            ValueError,
+            r"without block_table the cache must be \[batch=2, T, D\]",
+        ),
+        ({"softmax_scale": None}, TypeError, "softmax_scale must be a float"),
+        ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
+        ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
+    ],
+)
+def test_bad_input(overrides, error, pattern) -> None:
+    with pytest.raises(error, match=pattern):
+        call(**overrides)
+
+
+def test_s_q_longer_than_sequence() -> None:
+    with pytest.raises(ValueError, match="each non-empty sequence needs >= 3 tokens"):
+        call(q=torch.randn(B, 3, H, L + R), cache_seqlens=torch.tensor([20, 2], dtype=torch.int32))
+
+
+def test_softmax_scale_is_required() -> None:
+    a = good()
+    del a["softmax_scale"]
+    with pytest.raises(TypeError, match="softmax_scale"):
+        mla_ops.mla_decode(a.pop("q"), a.pop("kv_cache"), a.pop("cache_seqlens"), **a)
+
+
+def test_device_mismatch_is_named() -> None:
+    with pytest.raises(ValueError, match="cache_seqlens must be on cpu"):
+        call(cache_seqlens=torch.tensor([20, 5], dtype=torch.int32, device="meta"))
+
+
+@pytest.mark.parametrize(
+    ("out_p", "lse_p", "pattern"),
+    [
+        (torch.randn(3, 2, 8), torch.randn(3, 3), "lse_partial must be out_partial's shape"),
+        (torch.randn(3, 2, 8).half(), torch.randn(3, 2), "out_partial must be float32 or float64"),
+        (torch.randn(8), torch.randn(1), r"out_partial must be \[..., splits, L\]"),
+        (torch.randn(3, 0, 8), torch.randn(3, 0), "at least one split"),
+    ],
+)
+def test_combine_bad_input(out_p, lse_p, pattern) -> None:
+    with pytest.raises((ValueError, TypeError), match=pattern):
+        mla_ops.mla_combine(out_p, lse_p)

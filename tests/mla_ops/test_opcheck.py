@@ -1,0 +1,61 @@
+"""torch.library.opcheck on every op in the ``mla`` namespace.
+
+The ops are enumerated from the dispatcher, so a newly registered op without samples fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mla_ops  # noqa: F401  (registers the ops)
+from tests.conftest import HAS_CUDA
+from tests.mla_ops.cases import make_case
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+
+
+def decode_samples(device: str):
+    for kw in (
+        dict(page_size=None, s_q=1, dims=(32, 16)),
+        dict(page_size=1, s_q=2, dims=(32, 16), causal=True),
+        dict(page_size=16, s_q=3, dims=(64, 0), causal=False),
+        dict(page_size=16, s_q=1, dims=(16, 16), dtype=torch.bfloat16, lengths=[0, 40]),
+        dict(page_size=None, s_q=1, dims=(16, 16), dtype=torch.float16, num_splits=3),
+    ):
+        yield make_case(21, device=device, max_len=40, **kw).op_args()
+
+
+def combine_samples(device: str):
+    lse = torch.randn(2, 3, 4, device=device)
+    lse[0, 0] = float("-inf")
+    yield (torch.randn(2, 3, 4, 16, device=device), lse, None)
+    yield (torch.randn(5, 1, 8, device=device), torch.randn(5, 1, device=device), torch.bfloat16)
+    yield (
+        torch.randn(2, 2, 8, dtype=torch.float64, device=device),
+        torch.randn(2, 2, dtype=torch.float64, device=device),
+        None,
+    )
+
+
+SAMPLES = {"mla::decode": decode_samples, "mla::combine": combine_samples}
+
+
+def registered_mla_ops() -> list[str]:
+    return sorted(
+        {n.split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("mla::")}
+    )
+
+
+def test_every_registered_op_has_samples() -> None:
+    ops = registered_mla_ops()
+    assert ops == sorted(SAMPLES), f"ops {ops} vs samples {sorted(SAMPLES)}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_opcheck(name: str, device: str) -> None:
+    namespace, op_name = name.split("::")
+    op = getattr(getattr(torch.ops, namespace), op_name).default
+    for args in SAMPLES[name](device):
+        torch.library.opcheck(op, args)

@@ -1,0 +1,101 @@
+"""The Triton kernels themselves: on CUDA when present, else on CPU through TRITON_INTERPRET=1.
+
+Outputs are allocated poisoned (NaN) to prove that the kernels write every element. The
+interpreter gets float32/float16 only: its bf16 tl.dot is unsupported (triton issue #11584).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import HAS_CUDA, triton_available
+from tests.mla_ops.cases import assert_matches, make_case
+from tests.mla_ops.reference64 import mla_attention
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from mla_ops import triton_kernels
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_kernels, "new_output", poisoned)
+    return triton_kernels
+
+
+def run_kernels(kernels, case):
+    out_p, lse_p = kernels.decode(*case.op_args())
+    return kernels.combine(out_p, lse_p, case.q.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", range(16))
+def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
+    case = make_case(100 + seed, dtype=dtype, device=DEVICE, max_len=300 if not HAS_CUDA else None)
+    out, lse = run_kernels(kernels, case)
+    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 64, None])
+@pytest.mark.parametrize("s_q", [1, 3, 8])
+def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None) -> None:
+    """Kernel and PyTorch implementation return the same partials (same split geometry)."""
+    from mla_ops import reference
+
+    case = make_case(
+        7,
+        device=DEVICE,
+        s_q=s_q,
+        page_size=page_size,
+        lengths=[0, s_q, 600, 300],
+        num_splits=3,
+        heads=5,
+    )
+    out_p, lse_p = kernels.decode(*case.op_args())
+    ref_p, ref_lse_p = reference.decode(*case.op_args())
+    torch.testing.assert_close(lse_p, ref_lse_p, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_p, ref_p, atol=2e-5, rtol=2e-5)
+
+
+def test_out_of_range_page_poisons_only_its_sequence(kernels) -> None:
+    case = make_case(8, device=DEVICE, page_size=16, lengths=[40, 40, 40], s_q=1, num_splits=1)
+    case.block_table[1, 1] = case.kv_c.shape[0] + 5  # a page id past the cache
+    out, lse = run_kernels(kernels, case)
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert not torch.isnan(out[[0, 2]]).any()
+    case.block_table[1, 1] = -3
+    out, _ = run_kernels(kernels, case)
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[[0, 2]]).any()
+
+
+def test_length_beyond_capacity_poisons_instead_of_reading_out_of_bounds(kernels) -> None:
+    case = make_case(9, device=DEVICE, page_size=None, lengths=[30, 20], s_q=1, num_splits=1)
+    capacity = case.kv_c.shape[1]
+    case.cache_seqlens[0] = capacity + 50
+    out, _ = run_kernels(kernels, case)
+    assert torch.isnan(out[0]).all() and not torch.isnan(out[1]).any()
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_combine_kernel(kernels, num_splits: int) -> None:
+    from mla_ops import reference
+
+    out_p = torch.randn(3, 4, num_splits, 40, device=DEVICE)
+    lse_p = torch.randn(3, 4, num_splits, device=DEVICE) * 3
+    lse_p[0, 0] = float("-inf")  # a row with no state at all
+    lse_p[1, :, 0] = float("-inf")  # an empty split: its output must not be read
+    out_p[1, :, 0] = float("nan")
+    out, lse = kernels.combine(out_p, lse_p, torch.float16)
+    ref, ref_lse = reference.combine(out_p.double(), lse_p.double(), None)
+    assert out.dtype == torch.float16
+    assert (out[0, 0] == 0).all() and torch.isneginf(lse[0, 0])
+    torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
