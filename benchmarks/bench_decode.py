@@ -7,7 +7,9 @@ Method
   1 GiB) and a bf16 8192^3 matmul rate, both on random data, median of do_bench.
 - Each case: bf16, paged cache (page size 64 unless said), random data (never zeros), pages of
   different sequences interleaved. Inputs are rotated among copies whenever one copy is under
-  4x the L2 size. Times are medians of ``triton.testing.do_bench`` (CUDA events).
+  4x the L2 size. Each call is captured in a CUDA graph (one per input copy) and the replays are
+  timed, so the figure is GPU time, not Python dispatch; times are medians of
+  ``triton.testing.do_bench`` (CUDA events). Eager (un-graphed) time is reported beside it.
 - roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
 - Every implementation's output is checked against a float32 torch reference before timing.
@@ -134,6 +136,30 @@ def reference(inp: Inputs, case: Case) -> torch.Tensor:
     return torch.stack(outs)
 
 
+def graphed(fn):
+    """Capture ``fn`` in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_rotating(fns, warmup: int = 25, rep: int = 200) -> float:
+    """Median seconds of one call, cycling through ``fns`` (one per input copy)."""
+    counter = [0]
+
+    def call():
+        counter[0] += 1
+        fns[counter[0] % len(fns)]()
+
+    return do_bench(call, warmup=warmup, rep=rep, return_mode="median") * 1e-3
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).norm() / ref.norm()).item()
 
@@ -236,13 +262,12 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
         try:
             fns = [impls(case)[name](inp) for inp in copies]
             err = rel_err(fns[0](), ref)
-            counter = [0]
-
-            def rotating(fns=fns, counter=counter):
-                counter[0] += 1
-                return fns[counter[0] % len(fns)]()
-
-            t = do_bench(rotating, warmup=25, rep=200, return_mode="median") * 1e-3
+            t_eager = time_rotating(fns)
+            try:
+                t = time_rotating([graphed(f) for f in fns])
+                note = ""
+            except Exception as exc:  # not capturable: report eager time, say so
+                t, note = t_eager, f"eager only (graph capture failed: {type(exc).__name__})"
             rows.append(
                 Row(
                     case.name,
@@ -252,7 +277,8 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
                     flops / t / 1e12,
                     floor / t,
                     err,
-                    extra={"copies": len(copies)},
+                    note=note,
+                    extra={"copies": len(copies), "eager_us": t_eager * 1e6},
                 )
             )
         except Exception as exc:  # a peer that does not run here is reported, not hidden
@@ -274,41 +300,105 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
         num_splits,
     )
     o_p, l_p = torch.ops.mla.decode(*args)
-    t_comb = do_bench(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16), return_mode="median")
+    t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
         ours.extra.update(
             num_splits=num_splits,
-            combine_us=t_comb * 1e3,
-            combine_share=t_comb * 1e3 / ours.time_us,
+            combine_us=t_comb * 1e6,
+            combine_share=t_comb * 1e6 / ours.time_us,
         )
     return rows
 
 
 def cuda_graph_replay(case: Case) -> dict:
-    """Capture mla_decode in a CUDA graph and time its replays (case a)."""
+    """mla_decode captured in a CUDA graph: replay time and equality with an eager call."""
     inp = Inputs(case, torch.Generator().manual_seed(1), with_contiguous=False)
-    fn = lambda: mla_ops.mla_decode(
-        inp.q,
-        inp.kv_cache,
-        inp.cache_seqlens,
-        block_table=inp.block_table,
-        head_dim_v=L,
-        softmax_scale=SCALE,
-    )
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = fn()
-    graph.replay()
-    eager_out = fn()[0]
-    ok = torch.equal(out, eager_out)
-    t = do_bench(graph.replay, return_mode="median") * 1e3
+    result = {}
+
+    def fn():
+        result["out"] = mla_ops.mla_decode(
+            inp.q,
+            inp.kv_cache,
+            inp.cache_seqlens,
+            block_table=inp.block_table,
+            head_dim_v=L,
+            softmax_scale=SCALE,
+        )[0]
+
+    replay = graphed(fn)
+    graph_out = result["out"]
+    replay()
+    fn()
+    ok = torch.equal(graph_out, result["out"])
+    t = time_rotating([replay]) * 1e6
     return {"case": case.name, "graph_replay_us": t, "matches_eager": ok}
+
+
+SWEEP_CONFIGS = [
+    (bm, bn, w, st)
+    for bm in (16, 32, 64)
+    for bn in (32, 64)
+    for w in (4, 8)
+    for st in (2, 3)
+]
+
+
+def sweep(case: Case, l2_bytes: int) -> list[dict]:
+    """Time the decode kernel + combine for every tiling and a few split counts (graph replays)."""
+    from mla_ops import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(0)
+    first = Inputs(case, gen, with_contiguous=False)
+    n_copies = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
+    copies = [first] + [Inputs(case, gen, False) for _ in range(n_copies - 1)]
+    ref = reference(first, case)
+    rows_q = case.heads * case.s_q
+    planned = plan_num_splits(case.batch, rows_q, None, first.q.device)
+    results = []
+    for bm, bn, w, st in SWEEP_CONFIGS:
+        if bm > max(16, rows_q) and bm != 16:
+            continue
+        cfg = tk.DecodeConfig(bm, bn, w, st)
+        for splits in sorted({max(1, planned // 2), planned, planned * 2}):
+
+            def make(inp, cfg=cfg, splits=splits):
+                def fn():
+                    o, lse = tk.decode(
+                        inp.q,
+                        inp.kv_cache[..., :L],
+                        inp.kv_cache[..., L:],
+                        inp.cache_seqlens,
+                        inp.block_table,
+                        SCALE,
+                        True,
+                        splits,
+                        cfg,
+                    )
+                    return tk.combine(o, lse, torch.bfloat16)[0]
+
+                return fn
+
+            try:
+                fns = [make(inp) for inp in copies]
+                err = rel_err(fns[0](), ref)
+                t = time_rotating([graphed(f) for f in fns], warmup=10, rep=60)
+                results.append(
+                    dict(
+                        case=case.name, cfg=[bm, bn, w, st], splits=splits, us=t * 1e6, rel_err=err
+                    )
+                )
+            except Exception as exc:
+                results.append(
+                    dict(
+                        case=case.name,
+                        cfg=[bm, bn, w, st],
+                        splits=splits,
+                        us=None,
+                        error=f"{type(exc).__name__}: {str(exc)[:100]}",
+                    )
+                )
+    return results
 
 
 def main() -> None:
@@ -317,6 +407,7 @@ def main() -> None:
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--no-peers", action="store_true", help="time mla_decode only")
     p.add_argument("--tag", default="", help="suffix for the result files")
+    p.add_argument("--sweep", action="store_true", help="tiling/split sweep of our kernel only")
     args = p.parse_args()
     try:
         from tqdm import tqdm
@@ -342,6 +433,9 @@ def main() -> None:
     ceil = ceilings()
     meta.update(ceil)
     selected = [CASES[c] for c in args.cases.split(",")]
+    if args.sweep:
+        run_sweep(selected, meta, Path(args.out), props.L2_cache_size)
+        return
     bar = tqdm(total=len(selected), desc="cases", file=sys.stderr) if tqdm else None
     rows: list[Row] = []
     t0 = time.time()
@@ -401,6 +495,27 @@ def main() -> None:
         f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
         f"matches eager: {graph['matches_eager']}"
     )
+
+
+def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> None:
+    results = []
+    for case in selected:
+        results += sweep(case, l2_bytes)
+        torch.cuda.empty_cache()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"sweep_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}"
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"{'case':<5}{'best cfg (bm,bn,warps,stages)':<32}{'splits':>7}{'us':>9}{'roofline':>9}")
+    for case in selected:
+        ok = [r for r in results if r["case"] == case.name and r.get("us")]
+        best = sorted(ok, key=lambda r: r["us"])[:3]
+        inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
+        nbytes, flops = case_cost(case, inp)
+        floor = max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
+        for r in best:
+            frac = floor / (r["us"] * 1e-6)
+            print(f"{case.name:<5}{r['cfg']!s:<32}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
+        del inp
 
 
 def plot(rows: list[Row], meta: dict, path: Path) -> None:

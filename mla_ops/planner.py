@@ -77,26 +77,31 @@ def plan_num_splits(
     """
     if device.type != "cuda":
         return 1
+    # Logging is skipped while dynamo traces (it cannot trace logger calls).
+    tracing = torch.compiler.is_compiling()
     if not isinstance(batch_size, int):
-        log.info(
-            "mla_decode planner: batch size is symbolic, planning for %d sequences "
-            "(pass num_splits= to override)",
-            SYMBOLIC_BATCH_ASSUMPTION,
-        )
+        if not tracing:
+            log.info(
+                "mla_decode planner: batch size is symbolic, planning for %d sequences "
+                "(pass num_splits= to override)",
+                SYMBOLIC_BATCH_ASSUMPTION,
+            )
         batch_size = SYMBOLIC_BATCH_ASSUMPTION
-    sms = _multiprocessor_count(device.index if device.index is not None else 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _multiprocessor_count(index)
     programs_per_split = max(1, batch_size) * math.ceil(query_rows / rows_per_program(query_rows))
     wanted = math.ceil(TARGET_PROGRAMS_PER_SM * sms / programs_per_split)
     limit = MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
     num_splits = max(1, min(wanted, limit))
-    log.debug(
-        "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d -> num_splits=%d",
-        batch_size,
-        query_rows,
-        capacity,
-        sms,
-        num_splits,
-    )
+    if not tracing:
+        log.debug(
+            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d -> num_splits=%d",
+            batch_size,
+            query_rows,
+            capacity,
+            sms,
+            num_splits,
+        )
     return num_splits

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -75,6 +76,7 @@ def _mla_decode_kernel(
     CAUSAL: tl.constexpr,
     HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ACC: tl.constexpr,  # accumulation dtype: float32 (float64 for float64 inputs)
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -114,9 +116,9 @@ def _mla_decode_kernel(
     # Causal: query i sees keys [0, seqlen - S_q + i]; otherwise all of [0, seqlen).
     last_key = seqlen - S_Q + s_idx if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
+    l_i = tl.zeros([BLOCK_M], dtype=ACC)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=ACC)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
 
     for tile_start in range(start, end, BLOCK_N):
@@ -156,7 +158,7 @@ def _mla_decode_kernel(
                 other=0.0,
             )  # [BLOCK_N, BLOCK_R]
             qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-        qk = qk * scale_log2
+        qk = qk.to(ACC) * scale_log2
         visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
         qk = tl.where(visible, qk, float("-inf"))
 
@@ -204,12 +206,13 @@ def _mla_combine_kernel(
     L,
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
     lse_s = tl.load(LSE_PART + row * stride_lr + offs_s * stride_lk, mask=s_ok, other=float("-inf"))
-    lse_s = lse_s.to(tl.float32)
+    lse_s = lse_s.to(ACC)
     poisoned = tl.sum((lse_s != lse_s).to(tl.int32), 0) > 0  # any NaN
     lse_max = tl.max(lse_s, 0)
     shift = tl.where(lse_max == float("-inf"), 0.0, lse_max)
@@ -227,7 +230,7 @@ def _mla_combine_kernel(
             O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
             mask=read[:, None] & l_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        ).to(ACC)
         out = tl.sum(part * weight[:, None], 0)
         out = tl.where(poisoned, float("nan"), out)
         tl.store(
@@ -249,6 +252,27 @@ def _next_pow2(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tiling of the decode kernel: rows per program, tokens per KV tile, warps, pipeline depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(query_rows: int, kv_len: int) -> DecodeConfig:
+    """The tiling used when none is given (chosen from benchmarks/NOTES.md measurements)."""
+    block_l = _next_pow2(kv_len)
+    return DecodeConfig(
+        block_m=rows_per_program(query_rows),
+        block_n=64 if block_l <= 256 else 32,
+        num_warps=4 if block_l <= 128 else 8,
+        num_stages=2,
+    )
+
+
 def decode(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -258,6 +282,7 @@ def decode(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``."""
     batch, s_q, heads, _ = q.shape
@@ -269,11 +294,9 @@ def decode(
         return out, lse
 
     rows = s_q * heads
-    block_m = rows_per_program(rows)
+    cfg = config or default_config(rows, kv_len)
     block_l = _next_pow2(kv_len)
     block_r = _next_pow2(max(rope_len, 1))
-    block_n = 64 if block_l <= 256 else 32
-    num_warps = 4 if block_l <= 128 else 8
     paged = block_table is not None
     if paged:
         num_pages, page_size = kv_c.shape[0], kv_c.shape[1]
@@ -284,7 +307,7 @@ def decode(
         bt, bt_strides = cache_seqlens, (0, 0)  # never read
     # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
     precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-    grid = (batch * math.ceil(rows / block_m), num_splits)
+    grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
         _mla_decode_kernel[grid](
             q,
@@ -311,15 +334,17 @@ def decode(
             num_splits,
             MIN_CHUNK=MIN_CHUNK,
             GRANULE=SPLIT_GRANULE,
-            BLOCK_M=block_m,
-            BLOCK_N=block_n,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
             BLOCK_L=block_l,
             BLOCK_R=block_r,
             PAGED=paged,
             CAUSAL=causal,
             HAS_PE=rope_len > 0,
             DOT_PRECISION=precision,
-            num_warps=num_warps,
+            ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
         )
     return out, lse
 
@@ -350,6 +375,7 @@ def combine(
             kv_len,
             BLOCK_S=_next_pow2(num_splits, floor=2),
             BLOCK_L=min(_next_pow2(kv_len), 256),
+            ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
             num_warps=4,
         )
     return out, lse

@@ -14,7 +14,7 @@ def cache_rows(
 ) -> torch.Tensor:
     """Rows ``[length, D]`` of one sequence, in token order, as float64."""
     if block_table is None:
-        return cache[batch_index, :length].double()
+        return cache[batch_index, :length].cpu().double()
     page_size = cache.shape[1]
     tokens = torch.arange(length)
     pages = block_table[batch_index].long().cpu()[tokens // page_size]
