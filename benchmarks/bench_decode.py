@@ -336,11 +336,7 @@ def cuda_graph_replay(case: Case) -> dict:
 
 
 SWEEP_CONFIGS = [
-    (bm, bn, w, st)
-    for bm in (16, 32, 64)
-    for bn in (32, 64)
-    for w in (4, 8)
-    for st in (2, 3)
+    (bm, bn, w, st) for bm in (16, 32, 64) for bn in (32, 64) for w in (4, 8) for st in (2, 3)
 ]
 
 
@@ -408,6 +404,7 @@ def main() -> None:
     p.add_argument("--no-peers", action="store_true", help="time mla_decode only")
     p.add_argument("--tag", default="", help="suffix for the result files")
     p.add_argument("--sweep", action="store_true", help="tiling/split sweep of our kernel only")
+    p.add_argument("--diagnose", action="store_true", help="registers/spills/PTX of our kernel")
     args = p.parse_args()
     try:
         from tqdm import tqdm
@@ -433,8 +430,12 @@ def main() -> None:
     ceil = ceilings()
     meta.update(ceil)
     selected = [CASES[c] for c in args.cases.split(",")]
+    if args.diagnose:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        diagnose(selected, Path(args.out))
     if args.sweep:
         run_sweep(selected, meta, Path(args.out), props.L2_cache_size)
+    if args.sweep or args.diagnose:
         return
     bar = tqdm(total=len(selected), desc="cases", file=sys.stderr) if tqdm else None
     rows: list[Row] = []
@@ -495,6 +496,52 @@ def main() -> None:
         f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
         f"matches eager: {graph['matches_eager']}"
     )
+
+
+PTX_MARKERS = {
+    "wgmma": "wgmma.mma_async",
+    "mma.sync": "mma.sync",
+    "ldmatrix": "ldmatrix",
+    "cp.async": "cp.async.cg",
+    "cp.async.bulk(TMA)": "cp.async.bulk",
+    "ld.global.v4": "ld.global.v4",
+    "ld.global(all)": "ld.global",
+    "st.shared": "st.shared",
+}
+
+
+def diagnose(selected: list[Case], out: Path) -> None:
+    """Registers, spills, shared memory and instruction mix of the compiled decode kernel."""
+    from mla_ops import triton_kernels as tk
+
+    print(f"{'case':<5}{'cfg':<18}{'regs':>5}{'spill':>6}{'smem':>8}  ptx instruction counts")
+    for case in selected:
+        inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
+        rows_q = case.heads * case.s_q
+        for cfg in (tk.default_config(rows_q, L),):
+            tk.decode(
+                inp.q,
+                inp.kv_cache[..., :L],
+                inp.kv_cache[..., L:],
+                inp.cache_seqlens,
+                inp.block_table,
+                SCALE,
+                True,
+                2,
+                cfg,
+            )
+            k = tk.LAST_LAUNCH["decode"]
+            ptx = k.asm["ptx"]
+            counts = {n: ptx.count(m) for n, m in PTX_MARKERS.items()}
+            (out / f"decode_{case.name}.ptx").write_text(ptx)
+            (out / f"decode_{case.name}.ttgir").write_text(k.asm["ttgir"])
+            c = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+            print(
+                f"{case.name:<5}{c:<18}{k.n_regs:>5}{k.n_spills:>6}{k.metadata.shared:>8}  "
+                + " ".join(f"{n}={v}" for n, v in counts.items())
+            )
+        del inp
+        torch.cuda.empty_cache()
 
 
 def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> None:

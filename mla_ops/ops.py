@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .planner import plan_num_splits
+from .planner import log, plan_num_splits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -194,6 +194,13 @@ def _decode_cuda(
     check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
     if _values_checked_on(q.device):
         check_decode_values(q, kv_c, cache_seqlens, block_table)
+    if q.dtype == torch.float64:
+        # Triton passes float scalars (the scale) as fp32, which caps accuracy near 1e-8: float64
+        # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.
+        log.debug("mla::decode: float64 on CUDA runs the PyTorch implementation")
+        return reference.decode(
+            q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+        )
     from . import triton_kernels
 
     return triton_kernels.decode(

@@ -31,7 +31,7 @@ MAX_SPLITS = 64
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
 # Programs per multiprocessor the planner aims for (a few waves hide the tail).
-TARGET_PROGRAMS_PER_SM = 2
+TARGET_PROGRAMS_PER_SM = 4
 # Batch size assumed when the batch is symbolic (torch.export with a dynamic batch): planning from
 # a symbolic value would specialise the program. Pass ``num_splits`` to choose explicitly.
 SYMBOLIC_BATCH_ASSUMPTION = 8

@@ -57,15 +57,16 @@ def _mla_decode_kernel(
     stride_ls,
     stride_lh,
     stride_lk,
-    S_Q,
-    H,
-    L,
-    R,
     NUM_PAGES,
     MAX_PAGES,
-    PAGE_SIZE,
+    CAPACITY,  # tokens per sequence when not PAGED
     scale_log2,  # softmax_scale * log2(e)
     num_splits,
+    S_Q: tl.constexpr,
+    H: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     GRANULE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -76,7 +77,6 @@ def _mla_decode_kernel(
     CAUSAL: tl.constexpr,
     HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    ACC: tl.constexpr,  # accumulation dtype: float32 (float64 for float64 inputs)
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -116,9 +116,9 @@ def _mla_decode_kernel(
     # Causal: query i sees keys [0, seqlen - S_q + i]; otherwise all of [0, seqlen).
     last_key = seqlen - S_Q + s_idx if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=ACC)
-    l_i = tl.zeros([BLOCK_M], dtype=ACC)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=ACC)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
 
     for tile_start in range(start, end, BLOCK_N):
@@ -137,7 +137,7 @@ def _mla_decode_kernel(
         else:
             slot = offs_n
             page = tl.zeros([BLOCK_N], dtype=tl.int32) + b
-            loc_ok = offs_n < PAGE_SIZE
+            loc_ok = offs_n < CAPACITY
         n_bad += (tok_ok & ~loc_ok).to(tl.int32)
         ld = tok_ok & loc_ok
         page64 = tl.where(ld, page, 0).to(tl.int64)
@@ -158,7 +158,7 @@ def _mla_decode_kernel(
                 other=0.0,
             )  # [BLOCK_N, BLOCK_R]
             qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-        qk = qk.to(ACC) * scale_log2
+        qk = qk * scale_log2
         visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
         qk = tl.where(visible, qk, float("-inf"))
 
@@ -240,6 +240,10 @@ def _mla_combine_kernel(
         )
 
 
+# The compiled kernel of the latest launch, for diagnostics (registers, spills, PTX).
+LAST_LAUNCH: dict[str, object] = {}
+
+
 def new_output(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Allocate a kernel output (uninitialised: the kernels write every element).
 
@@ -284,12 +288,13 @@ def decode(
     num_splits: int,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the decode kernel; same contract as ``reference.decode``."""
+    """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 only."""
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
-    acc = accumulation_dtype(q.dtype)
-    out = new_output((batch, s_q, heads, num_splits, kv_len), acc, q.device)
-    lse = new_output((batch, s_q, heads, num_splits), acc, q.device)
+    out = new_output((batch, s_q, heads, num_splits, kv_len), torch.float32, q.device)
+    lse = new_output((batch, s_q, heads, num_splits), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
 
@@ -299,17 +304,17 @@ def decode(
     block_r = _next_pow2(max(rope_len, 1))
     paged = block_table is not None
     if paged:
-        num_pages, page_size = kv_c.shape[0], kv_c.shape[1]
+        num_pages, page_size, capacity = kv_c.shape[0], kv_c.shape[1], 0
         max_pages = block_table.shape[1]
         bt, bt_strides = block_table, block_table.stride()
-    else:
-        num_pages, page_size, max_pages = batch, kv_c.shape[1], 1
+    else:  # page_size is a compile-time constant: the cache length must not be one
+        num_pages, page_size, max_pages, capacity = batch, 1, 1, kv_c.shape[1]
         bt, bt_strides = cache_seqlens, (0, 0)  # never read
     # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
-    precision = "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-        _mla_decode_kernel[grid](
+        LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
             q,
             kv_c,
             k_pe,
@@ -323,15 +328,16 @@ def decode(
             *bt_strides,
             *out.stride(),
             *lse.stride(),
-            s_q,
-            heads,
-            kv_len,
-            rope_len,
             num_pages,
             max_pages,
-            page_size,
+            capacity,
             softmax_scale * 1.4426950408889634,
             num_splits,
+            S_Q=s_q,
+            H=heads,
+            L=kv_len,
+            R=rope_len,
+            PAGE_SIZE=page_size,
             MIN_CHUNK=MIN_CHUNK,
             GRANULE=SPLIT_GRANULE,
             BLOCK_M=cfg.block_m,
@@ -342,7 +348,6 @@ def decode(
             CAUSAL=causal,
             HAS_PE=rope_len > 0,
             DOT_PRECISION=precision,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
