@@ -58,10 +58,12 @@ def decode(
         dim=-1,
     ).to(acc)  # [B, T, L+R]
     capacity = rows.shape[1]
-    scores = torch.einsum("bshd,btd->bsht", q.to(acc), rows) * softmax_scale  # [B, S_q, H, T]
-
     seqlen = cache_seqlens.long()
     token = torch.arange(capacity, device=q.device)
+    # Rows past a sequence's end are stale memory (maybe NaN): 0 * NaN would leak into P @ V.
+    rows = rows.masked_fill((token[None, :] >= seqlen[:, None])[..., None], 0.0)
+    scores = torch.einsum("bshd,btd->bsht", q.to(acc), rows) * softmax_scale  # [B, S_q, H, T]
+
     visible = token[None, None, :] < seqlen[:, None, None]  # [B, 1, T]
     if causal:
         # query i of S_q sees keys [0, seqlen - S_q + i]

@@ -15,6 +15,7 @@ This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -23,8 +24,57 @@ import torch
 import triton
 import triton.language as tl
 
-from .planner import MIN_CHUNK, SPLIT_GRANULE, rows_per_program
+from .planner import MIN_CHUNK, SPLIT_GRANULE, log, rows_per_program
 from .reference import accumulation_dtype
+
+
+@triton.jit
+def _gather_tile_scores(
+    KV_C, K_PE, BLOCK_TABLE, q_nope, q_pe, b64, offs_n, tok_ok, offs_l, offs_r,
+    stride_cp, stride_ct, stride_cd, stride_pp, stride_pt, stride_pd, stride_btb, stride_btp,
+    NUM_PAGES, MAX_PAGES, CAPACITY,
+    L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, PAGED: tl.constexpr, HAS_PE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One KV tile by per-token address (any page size, any strides) and its scores.
+
+    Returns the value tile ``kv [BLOCK_N, BLOCK_L]``, ``qk [BLOCK_M, BLOCK_N]`` (unscaled) and the
+    tokens actually read (in the split and at a valid cache location).
+    """
+    if PAGED:
+        page_pos = offs_n // PAGE_SIZE
+        slot = offs_n % PAGE_SIZE
+        in_table = page_pos < MAX_PAGES
+        page = tl.load(
+            BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+            mask=tok_ok & in_table,
+            other=-1,
+        )
+        loc_ok = in_table & (page >= 0) & (page < NUM_PAGES)
+        page64 = tl.where(tok_ok & loc_ok, page, 0).to(tl.int64)
+    else:
+        slot = offs_n
+        loc_ok = offs_n < CAPACITY
+        page64 = tl.zeros_like(offs_n).to(tl.int64) + b64
+    ld = tok_ok & loc_ok
+    slot64 = tl.where(ld, slot, 0).to(tl.int64)
+    kc_row = KV_C + page64 * stride_cp + slot64 * stride_ct  # [BLOCK_N]
+    kv = tl.load(
+        kc_row[:, None] + offs_l[None, :] * stride_cd,
+        mask=ld[:, None] & (offs_l[None, :] < L),
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_L]
+    qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    if HAS_PE:
+        kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
+        kpe = tl.load(
+            kp_row[:, None] + offs_r[None, :] * stride_pd,
+            mask=ld[:, None] & (offs_r[None, :] < R),
+            other=0.0,
+        )  # [BLOCK_N, BLOCK_R]
+        qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+    return kv, qk, ld
 
 
 @triton.jit
@@ -36,6 +86,8 @@ def _mla_decode_kernel(
     BLOCK_TABLE,  # [B, max_pages] int32 (unused when not PAGED)
     O_PART,  # [B, S_q, H, num_splits, L] float32
     LSE_PART,  # [B, S_q, H, num_splits] float32
+    KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L] (USE_TMA), else None
+    PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R] (USE_TMA and HAS_PE)
     stride_qb,
     stride_qs,
     stride_qh,
@@ -77,6 +129,7 @@ def _mla_decode_kernel(
     CAUSAL: tl.constexpr,
     HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: a tile is rows of one page
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,6 +165,8 @@ def _mla_decode_kernel(
             mask=row_ok[:, None] & (offs_r[None, :] < R),
             other=0.0,
         )  # [BLOCK_M, BLOCK_R]
+    else:
+        q_pe = tl.zeros([BLOCK_M, BLOCK_R], dtype=q_nope.dtype)
 
     # Causal: query i sees keys [0, seqlen - S_q + i]; otherwise all of [0, seqlen).
     last_key = seqlen - S_Q + s_idx if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
@@ -124,40 +179,60 @@ def _mla_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
-        if PAGED:
-            page_pos = offs_n // PAGE_SIZE
-            slot = offs_n % PAGE_SIZE
-            in_table = page_pos < MAX_PAGES
+        if USE_TMA:
+            # The tile lies inside one page (split starts are multiples of GRANULE, a multiple of
+            # BLOCK_N): one page id, one bulk copy per operand. Rows past the cache's end come
+            # back as zeros from the copy engine, so a bad page id never reads out of bounds.
+            page_pos = tile_start // PAGE_SIZE
             page = tl.load(
                 BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
-                mask=tok_ok & in_table,
+                mask=page_pos < MAX_PAGES,
                 other=-1,
             )
-            loc_ok = in_table & (page >= 0) & (page < NUM_PAGES)
+            page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
+            n_bad += (tok_ok & ~page_ok).to(tl.int32)
+            row0 = tl.where(page_ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE
+            ld = tok_ok & page_ok
+            # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
+            # p = 0 times them stays 0 in P @ V.
+            kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, L]
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+            if HAS_PE:
+                kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, R]
+                qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         else:
-            slot = offs_n
-            page = tl.zeros([BLOCK_N], dtype=tl.int32) + b
-            loc_ok = offs_n < CAPACITY
-        n_bad += (tok_ok & ~loc_ok).to(tl.int32)
-        ld = tok_ok & loc_ok
-        page64 = tl.where(ld, page, 0).to(tl.int64)
-        slot64 = tl.where(ld, slot, 0).to(tl.int64)
-
-        kc_row = KV_C + page64 * stride_cp + slot64 * stride_ct  # [BLOCK_N]
-        kv = tl.load(
-            kc_row[:, None] + offs_l[None, :] * stride_cd,
-            mask=ld[:, None] & l_ok[None, :],
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_L]
-        qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
-        if HAS_PE:
-            kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
-            kpe = tl.load(
-                kp_row[:, None] + offs_r[None, :] * stride_pd,
-                mask=ld[:, None] & (offs_r[None, :] < R),
-                other=0.0,
-            )  # [BLOCK_N, BLOCK_R]
-            qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+            kv, qk, ld = _gather_tile_scores(
+                KV_C,
+                K_PE,
+                BLOCK_TABLE,
+                q_nope,
+                q_pe,
+                b64,
+                offs_n,
+                tok_ok,
+                offs_l,
+                offs_r,
+                stride_cp,
+                stride_ct,
+                stride_cd,
+                stride_pp,
+                stride_pt,
+                stride_pd,
+                stride_btb,
+                stride_btp,
+                NUM_PAGES,
+                MAX_PAGES,
+                CAPACITY,
+                L,
+                R,
+                PAGE_SIZE,
+                BLOCK_L,
+                BLOCK_R,
+                PAGED,
+                HAS_PE,
+                DOT_PRECISION,
+            )
+            n_bad += (tok_ok & ~ld).to(tl.int32)
         qk = qk * scale_log2
         visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
         qk = tl.where(visible, qk, float("-inf"))
@@ -264,6 +339,47 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    use_tma: bool | None = None  # None: whenever tma_path() allows it
+
+
+def has_copy_engine(device: torch.device) -> bool:
+    """Tensor-memory-accelerator (bulk tensor copy) hardware: Hopper and later.
+
+    Tests replace this to run the TMA path in Triton's interpreter, which emulates descriptors.
+    """
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_path(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor | None, block_n: int
+) -> tuple[bool, str]:
+    """Whether KV tiles can be fetched by the copy engine (TMA) and, if not, why."""
+    if not has_copy_engine(kv_c.device):
+        return False, "needs a CUDA device of compute capability >= 9 (Hopper)"
+    if block_table is None:
+        return False, "cache is not paged"
+    page_size = kv_c.shape[1]
+    if page_size % block_n:
+        return False, f"page_size {page_size} is not a multiple of the {block_n}-token tile"
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t.shape[-1] == 0:
+            continue
+        width = t.shape[-1]
+        if width & (width - 1) or width * t.element_size() < 16:
+            return False, f"{name} width {width} is not a power of two of >= 16 bytes"
+        if t.stride(2) != 1 or t.stride(0) != page_size * t.stride(1):
+            return False, f"{name} rows are not a 2-D [tokens, width] view (strides {t.stride()})"
+        if (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return False, f"{name} rows or base are not 16-byte aligned"
+    return True, "paged, page-aligned tiles, 16-byte aligned rows"
+
+
+def _descriptor(t: torch.Tensor, block_n: int):
+    """TMA descriptor of a paged ``[num_pages, page_size, W]`` view as ``[tokens, W]`` rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, width = t.shape[0] * t.shape[1], t.shape[2]
+    return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width])
 
 
 def default_config(query_rows: int, kv_len: int) -> DecodeConfig:
@@ -312,6 +428,14 @@ def decode(
         bt, bt_strides = cache_seqlens, (0, 0)  # never read
     # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_tma, why = tma_path(kv_c, k_pe, block_table, cfg.block_n)
+    if cfg.use_tma is not None:
+        use_tma = cfg.use_tma and use_tma
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("mla::decode kernel: %s loads (%s), %s", "TMA" if use_tma else "gather", why, cfg)
+    kv_desc = _descriptor(kv_c, cfg.block_n) if use_tma else None
+    pe_desc = _descriptor(k_pe, cfg.block_n) if use_tma and rope_len else None
+    LAST_LAUNCH["decode_path"] = "tma" if use_tma else "gather"
     grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
         LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
@@ -322,6 +446,8 @@ def decode(
             bt,
             out,
             lse,
+            kv_desc,
+            pe_desc,
             *q.stride(),
             *kv_c.stride(),
             *k_pe.stride(),
@@ -348,6 +474,7 @@ def decode(
             CAUSAL=causal,
             HAS_PE=rope_len > 0,
             DOT_PRECISION=precision,
+            USE_TMA=use_tma,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -113,6 +113,7 @@ def make_case(
         for b, length in enumerate(lengths):
             ids[b, math.ceil(length / page_size) :] = rng.choice([-1, 10**6, 0])
         block_table = ids.to(torch.int32).to(device)
+    _poison_unused(storage, lengths, None if page_size is None else ids, page_size)
     cache = storage[..., :row].to(dtype).to(device)
     kv_c, k_pe = cache[..., :kv_len], cache[..., kv_len:]
     if pair:
@@ -134,6 +135,21 @@ def make_case(
         causal=causal,
         num_splits=num_splits,
     )
+
+
+def _poison_unused(
+    storage: torch.Tensor, lengths: list[int], ids: torch.Tensor | None, page_size: int | None
+) -> None:
+    """Fill every cache row no sequence owns with NaN: stale memory must never reach an output."""
+    if ids is None:
+        for b, length in enumerate(lengths):
+            storage[b, length:] = float("nan")
+        return
+    owned = torch.zeros(storage.shape[:2], dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        for t in range(length):
+            owned[ids[b, t // page_size], t % page_size] = True
+    storage[~owned] = float("nan")
 
 
 def assert_matches(

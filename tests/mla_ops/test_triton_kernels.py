@@ -30,6 +30,49 @@ def kernels(monkeypatch):
     return triton_kernels
 
 
+@pytest.fixture(params=["gather", "tma"])
+def path_kernels(request, kernels, monkeypatch):
+    """The kernels with KV tiles loaded by per-token address, or by the copy engine (TMA).
+
+    Without a Hopper GPU the TMA path runs in the interpreter, which emulates descriptors.
+    """
+    if request.param == "tma":
+        monkeypatch.setattr(kernels, "has_copy_engine", lambda device: True)
+    else:
+        monkeypatch.setattr(kernels, "has_copy_engine", lambda device: False)
+    kernels.expected_path = request.param
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("seed", range(6))
+def test_tma_and_gather_paths(path_kernels, seed: int, dtype: torch.dtype) -> None:
+    """Page size 64 and power-of-two widths: the TMA path applies; both must agree with fp64."""
+    case = make_case(
+        200 + seed,
+        dtype=dtype,
+        device=DEVICE,
+        page_size=64,
+        dims=(32, 16) if seed % 2 else (64, 0),
+        max_len=300 if not HAS_CUDA else 3000,
+    )
+    out, lse = run_kernels(path_kernels, case)
+    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+def test_tma_path_poisons_bad_page(path_kernels) -> None:
+    case = make_case(
+        12, device=DEVICE, page_size=64, dims=(32, 16), lengths=[200, 200], s_q=1, num_splits=1
+    )
+    case.block_table[0, 2] = case.kv_c.shape[0] + 1
+    out, lse = run_kernels(path_kernels, case)
+    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert not torch.isnan(out[1]).any()
+
+
 def run_kernels(kernels, case):
     out_p, lse_p = kernels.decode(*case.op_args())
     return kernels.combine(out_p, lse_p, case.q.dtype)
