@@ -336,7 +336,12 @@ def cuda_graph_replay(case: Case) -> dict:
 
 
 SWEEP_CONFIGS = [
-    (bm, bn, w, st) for bm in (16, 32, 64) for bn in (32, 64) for w in (4, 8) for st in (2, 3)
+    (bm, bn, w, st, tma)
+    for bm in (16, 32, 64)
+    for bn in (32, 64)
+    for w in (4, 8)
+    for st in (2, 3, 4)
+    for tma in (True, False)
 ]
 
 
@@ -352,10 +357,17 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
     rows_q = case.heads * case.s_q
     planned = plan_num_splits(case.batch, rows_q, None, first.q.device)
     results = []
-    for bm, bn, w, st in SWEEP_CONFIGS:
+    for bm, bn, w, st, tma in SWEEP_CONFIGS:
         if bm > max(16, rows_q) and bm != 16:
             continue
-        cfg = tk.DecodeConfig(bm, bn, w, st)
+        if (
+            tma
+            and not tk.tma_path(
+                first.kv_cache[..., :L], first.kv_cache[..., L:], first.block_table, bn
+            )[0]
+        ):
+            continue
+        cfg = tk.DecodeConfig(bm, bn, w, st, tma)
         for splits in sorted({max(1, planned // 2), planned, planned * 2}):
 
             def make(inp, cfg=cfg, splits=splits):
@@ -381,14 +393,18 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
                 t = time_rotating([graphed(f) for f in fns], warmup=10, rep=60)
                 results.append(
                     dict(
-                        case=case.name, cfg=[bm, bn, w, st], splits=splits, us=t * 1e6, rel_err=err
+                        case=case.name,
+                        cfg=[bm, bn, w, st, tma],
+                        splits=splits,
+                        us=t * 1e6,
+                        rel_err=err,
                     )
                 )
             except Exception as exc:
                 results.append(
                     dict(
                         case=case.name,
-                        cfg=[bm, bn, w, st],
+                        cfg=[bm, bn, w, st, tma],
                         splits=splits,
                         us=None,
                         error=f"{type(exc).__name__}: {str(exc)[:100]}",
@@ -518,7 +534,8 @@ def diagnose(selected: list[Case], out: Path) -> None:
     for case in selected:
         inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
         rows_q = case.heads * case.s_q
-        for cfg in (tk.default_config(rows_q, L),):
+        default = tk.default_config(rows_q, L)
+        for cfg in (default, tk.DecodeConfig(default.block_m, 64, 8, 3, False)):
             tk.decode(
                 inp.q,
                 inp.kv_cache[..., :L],
@@ -533,9 +550,10 @@ def diagnose(selected: list[Case], out: Path) -> None:
             k = tk.LAST_LAUNCH["decode"]
             ptx = k.asm["ptx"]
             counts = {n: ptx.count(m) for n, m in PTX_MARKERS.items()}
-            (out / f"decode_{case.name}.ptx").write_text(ptx)
-            (out / f"decode_{case.name}.ttgir").write_text(k.asm["ttgir"])
-            c = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages}"
+            if cfg is default:
+                (out / f"decode_{case.name}.ptx").write_text(ptx)
+            path = tk.LAST_LAUNCH["decode_path"]
+            c = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{path}"
             print(
                 f"{case.name:<5}{c:<18}{k.n_regs:>5}{k.n_spills:>6}{k.metadata.shared:>8}  "
                 + " ".join(f"{n}={v}" for n, v in counts.items())
@@ -552,7 +570,9 @@ def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> Non
     out.mkdir(parents=True, exist_ok=True)
     stem = f"sweep_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"{'case':<5}{'best cfg (bm,bn,warps,stages)':<32}{'splits':>7}{'us':>9}{'roofline':>9}")
+    print(
+        f"{'case':<5}{'best cfg (bm,bn,warps,stages,tma)':<34}{'splits':>7}{'us':>9}{'roofline':>9}"
+    )
     for case in selected:
         ok = [r for r in results if r["case"] == case.name and r.get("us")]
         best = sorted(ok, key=lambda r: r["us"])[:3]
@@ -561,7 +581,7 @@ def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> Non
         floor = max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
         for r in best:
             frac = floor / (r["us"] * 1e-6)
-            print(f"{case.name:<5}{r['cfg']!s:<32}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
+            print(f"{case.name:<5}{r['cfg']!s:<34}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
         del inp
 
 
