@@ -358,7 +358,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
     planned = plan_num_splits(case.batch, rows_q, None, first.q.device)
     results = []
     for bm, bn, w, st, tma in SWEEP_CONFIGS:
-        if bm > max(16, rows_q) and bm != 16:
+        if bm != tk.default_config(rows_q, L).block_m:
             continue
         if (
             tma
