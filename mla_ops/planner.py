@@ -30,8 +30,9 @@ MIN_CHUNK = 256
 MAX_SPLITS = 64
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
-# Programs per multiprocessor the planner aims for (a few waves hide the tail).
-TARGET_PROGRAMS_PER_SM = 4
+# Programs per multiprocessor the planner aims for: two fit at once (shared memory), and one such
+# wave beat 2-5x more, shorter programs on an H200 (benchmarks/NOTES.md).
+TARGET_PROGRAMS_PER_SM = 2
 # Batch size assumed when the batch is symbolic (torch.export with a dynamic batch): planning from
 # a symbolic value would specialise the program. Pass ``num_splits`` to choose explicitly.
 SYMBOLIC_BATCH_ASSUMPTION = 8
