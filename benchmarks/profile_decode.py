@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_decode import CASES, SCALE, Inputs, L  # noqa: E402
+from bench_decode import CASES, SCALE, Inputs, L
 
-import mla_ops  # noqa: E402
+import mla_ops
 
 
 def main() -> None:
