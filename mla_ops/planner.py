@@ -30,9 +30,7 @@ MIN_CHUNK = 256
 MAX_SPLITS = 64
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
-# Programs per multiprocessor the planner aims for: two fit at once (shared memory), and one such
-# wave beat 2-5x more, shorter programs on an H200 (benchmarks/NOTES.md).
-TARGET_PROGRAMS_PER_SM = 2
+
 # Batch size assumed when the batch is symbolic (torch.export with a dynamic batch): planning from
 # a symbolic value would specialise the program. Pass ``num_splits`` to choose explicitly.
 SYMBOLIC_BATCH_ASSUMPTION = 8
@@ -64,6 +62,15 @@ def rows_per_program(query_rows: int) -> int:
     return max(16, min(MAX_ROWS_PER_PROGRAM, 1 << max(0, (query_rows - 1).bit_length())))
 
 
+def programs_per_sm(query_rows: int) -> int:
+    """Decode programs resident on one multiprocessor at once with the default tiling (L=512).
+
+    Measured with ncu on an H200 (benchmarks/NOTES.md): 16-row programs use 243 registers per
+    thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x 8 warps (1 fits).
+    """
+    return 2 if rows_per_program(query_rows) <= 16 else 1
+
+
 def plan_num_splits(
     batch_size: int | torch.SymInt,
     query_rows: int,
@@ -91,7 +98,9 @@ def plan_num_splits(
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _multiprocessor_count(index)
     programs_per_split = max(1, batch_size) * math.ceil(query_rows / rows_per_program(query_rows))
-    wanted = math.ceil(TARGET_PROGRAMS_PER_SM * sms / programs_per_split)
+    # As many splits as fill one wave of resident programs, and no more: a partial second wave
+    # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
+    wanted = max(1, sms * programs_per_sm(query_rows) // programs_per_split)
     limit = MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))

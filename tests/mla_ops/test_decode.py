@@ -167,3 +167,22 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
     )
     ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@pytest.mark.parametrize(
+    ("batch", "rows", "capacity", "expected"),
+    [
+        (128, 16, 4096, 2),  # case (a): 2 resident programs x 132 SMs = 264 slots, 128 per split
+        (32, 128, 4096, 2),  # case (b): 1 resident 64-row program, 2 row blocks per sequence
+        (1, 128, 32768, 64),  # case (c): long context, capped at MAX_SPLITS
+        (1, 16, 300, 2),  # capped by capacity / MIN_CHUNK
+        (512, 128, 4096, 1),  # more programs than slots: no split
+    ],
+)
+def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) -> None:
+    from mla_ops import planner
+
+    monkeypatch.setattr(planner, "_multiprocessor_count", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert planner.plan_num_splits(batch, rows, capacity, device) == expected
+    assert planner.plan_num_splits(batch, rows, capacity, torch.device("cpu")) == 1
