@@ -15,10 +15,11 @@ This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -284,6 +285,7 @@ def _mla_combine_kernel(
     ACC: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
+    l_block = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
     lse_s = tl.load(LSE_PART + row * stride_lr + offs_s * stride_lk, mask=s_ok, other=float("-inf"))
@@ -297,22 +299,22 @@ def _mla_combine_kernel(
     weight = weight / tl.where(total == 0.0, 1.0, total)
     read = s_ok & (weight > 0.0)  # an empty split's output is never read
     lse = tl.where(poisoned, float("nan"), lse)
-    tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
-    for l_start in range(0, L, BLOCK_L):
-        offs_l = l_start + tl.arange(0, BLOCK_L)
-        l_ok = offs_l < L
-        part = tl.load(
-            O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
-            mask=read[:, None] & l_ok[None, :],
-            other=0.0,
-        ).to(ACC)
-        out = tl.sum(part * weight[:, None], 0)
-        out = tl.where(poisoned, float("nan"), out)
-        tl.store(
-            OUT + row * stride_out_r + offs_l * stride_out_d,
-            out.to(OUT.dtype.element_ty),
-            mask=l_ok,
-        )
+    if l_block == 0:
+        tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
+    # Each program merges one BLOCK_L-wide column block of the row (the weights are recomputed
+    # per block: a few exps, against reading num_splits x BLOCK_L partial values).
+    offs_l = l_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = offs_l < L
+    part = tl.load(
+        O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
+        mask=read[:, None] & l_ok[None, :],
+        other=0.0,
+    ).to(ACC)
+    out = tl.sum(part * weight[:, None], 0)
+    out = tl.where(poisoned, float("nan"), out)
+    tl.store(
+        OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok
+    )
 
 
 # The compiled kernel of the latest launch, for diagnostics (registers, spills, PTX).
@@ -382,19 +384,56 @@ def _descriptor(t: torch.Tensor, block_n: int):
     return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width])
 
 
-def default_config(query_rows: int, kv_len: int) -> DecodeConfig:
-    """The tiling used when none is given.
+# Shared memory one program may use when the device cannot be asked (the interpreter): H100/H200.
+DEFAULT_SHARED_MEMORY = 232448
 
-    Measured on an H200 with L=512 (benchmarks/NOTES.md, sweep of 2026-11-22): 16-row programs are
+
+def shared_memory_bytes(cfg: DecodeConfig, row_width: int, element_size: int) -> int:
+    """Shared memory of the decode kernel: the query block plus ``num_stages`` KV tiles.
+
+    row_width: padded row width (power-of-two L block plus power-of-two R block).
+
+    Matches what Triton reported for every configuration measured on an H200 (NOTES.md).
+    """
+    return (cfg.block_m + cfg.num_stages * cfg.block_n) * row_width * element_size
+
+
+def default_config(
+    query_rows: int,
+    kv_len: int,
+    rope_len: int = 64,
+    element_size: int = 2,
+    shared_memory: int = DEFAULT_SHARED_MEMORY,
+) -> DecodeConfig:
+    """The tiling used when none is given, shrunk until it fits ``shared_memory`` bytes.
+
+    Measured on an H200 with L=512 (benchmarks/NOTES.md, sweeps of 2026-11-22): 16-row programs are
     fastest with 32-token tiles and 4 warps, 64-row programs with 64-token tiles and 8 warps; two
-    pipeline stages beat three or four in both.
+    pipeline stages beat three or four in both. fp32 needs smaller tiles to fit.
     """
     block_m = rows_per_program(query_rows)
     if _next_pow2(kv_len) <= 128:  # small test dims: registers are no concern
-        return DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
-    if block_m <= 16:
-        return DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
-    return DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2)
+        cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+    elif block_m <= 16:
+        cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
+    else:
+        cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2)
+    row = _next_pow2(kv_len) + (_next_pow2(rope_len) if rope_len else 0)
+    while shared_memory_bytes(cfg, row, element_size) > shared_memory:
+        if cfg.num_stages > 1:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 16:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
+        else:
+            break
+    return cfg
+
+
+@functools.cache
+def _shared_memory_per_program(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
 
 
 def decode(
@@ -419,7 +458,12 @@ def decode(
         return out, lse
 
     rows = s_q * heads
-    cfg = config or default_config(rows, kv_len)
+    if config is None:
+        smem = (
+            _shared_memory_per_program(q.device.index or 0) if q.is_cuda else DEFAULT_SHARED_MEMORY
+        )
+        config = default_config(rows, kv_len, rope_len, q.element_size(), smem)
+    cfg = config
     block_l = _next_pow2(kv_len)
     block_r = _next_pow2(max(rope_len, 1))
     paged = block_table is not None
@@ -499,7 +543,8 @@ def combine(
     l2 = lse_partial.reshape(-1, num_splits)
     out2 = out.view(-1, kv_len)
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
-        _mla_combine_kernel[(o3.shape[0],)](
+        block_l = min(_next_pow2(kv_len), 128)
+        _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
             o3,
             l2,
             out2,
@@ -510,7 +555,7 @@ def combine(
             num_splits,
             kv_len,
             BLOCK_S=_next_pow2(num_splits, floor=2),
-            BLOCK_L=min(_next_pow2(kv_len), 256),
+            BLOCK_L=block_l,
             ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
             num_warps=4,
         )

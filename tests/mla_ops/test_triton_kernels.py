@@ -142,3 +142,16 @@ def test_combine_kernel(kernels, num_splits: int) -> None:
     assert (out[0, 0] == 0).all() and torch.isneginf(lse[0, 0])
     torch.testing.assert_close(out.double(), ref, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_default_config_fits_shared_memory() -> None:
+    """The tuned bf16 tilings stay as measured; fp32 shrinks until it fits (H200: 232448 B)."""
+    from mla_ops import triton_kernels as tk
+
+    bf16_64 = tk.default_config(128, 512, 64, 2, 232448)
+    assert bf16_64 == tk.DecodeConfig(64, 64, 8, 2)
+    assert tk.shared_memory_bytes(bf16_64, 576, 2) == 221184  # what Triton reported on the H200
+    assert tk.default_config(16, 512, 64, 2, 232448) == tk.DecodeConfig(16, 32, 4, 2)
+    for rows in (16, 32, 128, 256):
+        cfg = tk.default_config(rows, 512, 64, 4, 232448)
+        assert tk.shared_memory_bytes(cfg, 576, 4) <= 232448
