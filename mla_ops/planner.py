@@ -14,7 +14,6 @@ that ``mla::decode`` returns the same partials on every device:
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -52,8 +51,8 @@ def split_bounds(seqlen: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, t
     return start, end
 
 
-@functools.cache
 def _multiprocessor_count(device_index: int) -> int:
+    # torch caches device properties; no functools.cache here, which dynamo would warn about.
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
