@@ -342,13 +342,11 @@ def cuda_graph_replay(case: Case) -> dict:
 
 
 SWEEP_CONFIGS = [
-    (bm, bn, w, st, tma, rows_on_n)
-    for bm in (16, 64)
-    for bn in (32, 64)
-    for w in (4, 8)
-    for st in (2,)
-    for tma in (True, False)
-    for rows_on_n in (True, False)
+    (bm, bn, w, st, False)
+    for bm in (16, 32, 64)
+    for bn in (16, 32, 64)
+    for w in (2, 4, 8)
+    for st in (1, 2)
 ]
 
 
@@ -364,7 +362,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
     rows_q = case.heads * case.s_q
     planned = plan_num_splits(case.batch, rows_q, None, first.q.device)
     results = []
-    for bm, bn, w, st, tma, rows_on_n in SWEEP_CONFIGS:
+    for bm, bn, w, st, tma in SWEEP_CONFIGS:
         if bm > max(16, rows_q):
             continue
         if (
@@ -374,7 +372,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
             )[0]
         ):
             continue
-        cfg = tk.DecodeConfig(bm, bn, w, st, tma, rows_on_n)
+        cfg = tk.DecodeConfig(bm, bn, w, st, tma)
         for splits in sorted({max(1, planned // 2), planned, planned * 2}):
 
             def make(inp, cfg=cfg, splits=splits):
@@ -401,7 +399,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
                 results.append(
                     dict(
                         case=case.name,
-                        cfg=[bm, bn, w, st, tma, rows_on_n],
+                        cfg=[bm, bn, w, st, tma],
                         splits=splits,
                         us=t * 1e6,
                         rel_err=err,
@@ -411,7 +409,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
                 results.append(
                     dict(
                         case=case.name,
-                        cfg=[bm, bn, w, st, tma, rows_on_n],
+                        cfg=[bm, bn, w, st, tma],
                         splits=splits,
                         us=None,
                         error=f"{type(exc).__name__}: {str(exc)[:100]}",
@@ -578,20 +576,17 @@ def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> Non
     stem = f"sweep_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(
-        f"{'case':<5}{'best (bm,bn,warps,stages,tma,rows_on_n)':<42}{'splits':>7}{'us':>9}{'roofline':>9}"
+        f"{'case':<5}{'best cfg (bm,bn,warps,stages,tma)':<34}{'splits':>7}{'us':>9}{'roofline':>9}"
     )
     for case in selected:
         ok = [r for r in results if r["case"] == case.name and r.get("us")]
-        best = sorted(ok, key=lambda r: r["us"])[:2]
-        for flag in (True, False):  # best of each formulation too
-            same = [r for r in ok if len(r["cfg"]) > 5 and r["cfg"][5] is flag]
-            best += sorted(same, key=lambda r: r["us"])[:1]
+        best = sorted(ok, key=lambda r: r["us"])[:3]
         inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
         nbytes, flops = case_cost(case, inp)
         floor = max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
         for r in best:
             frac = floor / (r["us"] * 1e-6)
-            print(f"{case.name:<5}{r['cfg']!s:<42}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
+            print(f"{case.name:<5}{r['cfg']!s:<34}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
         del inp
 
 

@@ -30,17 +30,18 @@ from .reference import accumulation_dtype
 
 
 @triton.jit
-def _gather_tile(
-    KV_C, K_PE, BLOCK_TABLE, b64, offs_n, tok_ok, offs_l, offs_r,
+def _gather_tile_scores(
+    KV_C, K_PE, BLOCK_TABLE, q_nope, q_pe, b64, offs_n, tok_ok, offs_l, offs_r,
     stride_cp, stride_ct, stride_cd, stride_pp, stride_pt, stride_pd, stride_btb, stride_btp,
     NUM_PAGES, MAX_PAGES, CAPACITY,
     L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, PAGED: tl.constexpr, HAS_PE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One KV tile by per-token address (any page size, any strides).
+    """One KV tile by per-token address (any page size, any strides) and its scores.
 
-    Returns ``kv [BLOCK_N, BLOCK_L]``, ``kpe [BLOCK_N, BLOCK_R]`` and the tokens actually read (in
-    the split and at a valid cache location); rows not read are zero.
+    Returns the value tile ``kv [BLOCK_N, BLOCK_L]``, ``qk [BLOCK_M, BLOCK_N]`` (unscaled) and the
+    tokens actually read (in the split and at a valid cache location).
     """
     if PAGED:
         page_pos = offs_n // PAGE_SIZE
@@ -65,6 +66,7 @@ def _gather_tile(
         mask=ld[:, None] & (offs_l[None, :] < L),
         other=0.0,
     )  # [BLOCK_N, BLOCK_L]
+    qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
     if HAS_PE:
         kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
         kpe = tl.load(
@@ -72,30 +74,8 @@ def _gather_tile(
             mask=ld[:, None] & (offs_r[None, :] < R),
             other=0.0,
         )  # [BLOCK_N, BLOCK_R]
-    else:
-        kpe = tl.zeros([offs_n.shape[0], BLOCK_R], dtype=kv.dtype)
-    return kv, kpe, ld
-
-
-@triton.jit
-def _scores(
-    q_nope, q_pe, kv, kpe, HAS_PE: tl.constexpr, ROWS_ON_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Unscaled scores of a tile: ``[BLOCK_M, BLOCK_N]``, or ``[BLOCK_N, BLOCK_M]`` if ROWS_ON_N.
-
-    ROWS_ON_N puts the query rows on the MMA's N side (``S^T = K Q^T``): with few rows both large
-    operands then come from shared memory instead of every warp holding the whole query.
-    """
-    if ROWS_ON_N:
-        qk = tl.dot(kv, tl.trans(q_nope), input_precision=DOT_PRECISION)
-        if HAS_PE:
-            qk += tl.dot(kpe, tl.trans(q_pe), input_precision=DOT_PRECISION)
-    else:
-        qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-        if HAS_PE:
-            qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
-    return qk
+        qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+    return kv, qk, ld
 
 
 @triton.jit
@@ -151,7 +131,6 @@ def _mla_decode_kernel(
     HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: a tile is rows of one page
-    ROWS_ON_N: tl.constexpr,  # compute S^T and O^T (query rows on the MMA's N side)
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -195,10 +174,7 @@ def _mla_decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if ROWS_ON_N:
-        acc = tl.zeros([BLOCK_L, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
 
     for tile_start in range(start, end, BLOCK_N):
@@ -221,44 +197,56 @@ def _mla_decode_kernel(
             # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
             # p = 0 times them stays 0 in P @ V.
             kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, L]
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
             if HAS_PE:
                 kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, R]
-            else:
-                kpe = tl.zeros([BLOCK_N, BLOCK_R], dtype=kv.dtype)
+                qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
         else:
-            kv, kpe, ld = _gather_tile(
-                KV_C, K_PE, BLOCK_TABLE, b64, offs_n, tok_ok, offs_l, offs_r,
-                stride_cp, stride_ct, stride_cd, stride_pp, stride_pt, stride_pd, stride_btb,
-                stride_btp, NUM_PAGES, MAX_PAGES, CAPACITY, L, R, PAGE_SIZE, BLOCK_L, BLOCK_R,
-                PAGED, HAS_PE,
-            )  # fmt: skip
+            kv, qk, ld = _gather_tile_scores(
+                KV_C,
+                K_PE,
+                BLOCK_TABLE,
+                q_nope,
+                q_pe,
+                b64,
+                offs_n,
+                tok_ok,
+                offs_l,
+                offs_r,
+                stride_cp,
+                stride_ct,
+                stride_cd,
+                stride_pp,
+                stride_pt,
+                stride_pd,
+                stride_btb,
+                stride_btp,
+                NUM_PAGES,
+                MAX_PAGES,
+                CAPACITY,
+                L,
+                R,
+                PAGE_SIZE,
+                BLOCK_L,
+                BLOCK_R,
+                PAGED,
+                HAS_PE,
+                DOT_PRECISION,
+            )
             n_bad += (tok_ok & ~ld).to(tl.int32)
-        qk = _scores(q_nope, q_pe, kv, kpe, HAS_PE, ROWS_ON_N, DOT_PRECISION) * scale_log2
-        if ROWS_ON_N:  # qk, p: [BLOCK_N, BLOCK_M]; acc: [BLOCK_L, BLOCK_M]
-            visible = ld[:, None] & (offs_n[:, None] <= last_key[None, :])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 0))
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(qk - m_shift[None, :])
-            l_i = l_i * alpha + tl.sum(p, 0)
-            pv = tl.dot(tl.trans(kv), p.to(kv.dtype), input_precision=DOT_PRECISION)
-            acc = acc * alpha[None, :] + pv
-        else:  # qk, p: [BLOCK_M, BLOCK_N]; acc: [BLOCK_M, BLOCK_L]
-            visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
-            qk = tl.where(visible, qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row that has seen no key yet keeps m = -inf; shift by 0: exp2 gives 0, not NaN.
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_shift)
-            p = tl.exp2(qk - m_shift[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv
+        qk = qk * scale_log2
+        visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_shift)
+        p = tl.exp2(qk - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if ROWS_ON_N:
-        acc = tl.trans(acc)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -354,7 +342,6 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     use_tma: bool | None = None  # None: whenever tma_path() allows it
-    rows_on_n: bool = False  # S^T = K Q^T and O^T = V^T P^T (see _scores)
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -536,7 +523,6 @@ def decode(
             HAS_PE=rope_len > 0,
             DOT_PRECISION=precision,
             USE_TMA=use_tma,
-            ROWS_ON_N=cfg.rows_on_n,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

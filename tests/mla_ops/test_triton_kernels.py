@@ -155,28 +155,3 @@ def test_default_config_fits_shared_memory() -> None:
     for rows in (16, 32, 128, 256):
         cfg = tk.default_config(rows, 512, 64, 4, 232448)
         assert tk.shared_memory_bytes(cfg, 576, 4) <= 232448
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("seed", range(4))
-def test_rows_on_n_variant(path_kernels, seed: int, dtype: torch.dtype) -> None:
-    """The transposed formulation (S^T = K Q^T, O^T = V^T P^T) computes the same attention."""
-    case = make_case(
-        300 + seed,
-        dtype=dtype,
-        device=DEVICE,
-        page_size=64,
-        heads=rng_heads(seed),
-        dims=(32, 16) if seed % 2 else (64, 0),
-        max_len=300 if not HAS_CUDA else 3000,
-    )
-    cfg = path_kernels.DecodeConfig(16, 32, 4, 2, rows_on_n=True)
-    out_p, lse_p = path_kernels.decode(*case.op_args(), config=cfg)
-    out, lse = path_kernels.combine(out_p, lse_p, case.q.dtype)
-    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
-    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
-    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
-
-
-def rng_heads(seed: int) -> int:
-    return (3, 16, 5, 20)[seed % 4]
