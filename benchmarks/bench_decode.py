@@ -124,6 +124,22 @@ class Inputs:
         if with_contiguous:  # [B, T, L+R], rows past each length are never attended
             self.contiguous = self.kv_cache[self.block_table.long()].view(b, -1, L + R)
 
+    def op_args(self, num_splits: int) -> tuple:
+        """Arguments of ``torch.ops.mla.decode`` for this copy (causal, DeepSeek-V3 scale)."""
+        kv = self.kv_cache
+        return (
+            self.q, kv[..., :L], kv[..., L:], self.cache_seqlens, self.block_table, SCALE, True,
+            num_splits,
+        )  # fmt: skip
+
+
+def decode_out(inp: Inputs) -> torch.Tensor:
+    """``mla_decode`` on one input copy, with the planner's defaults: ``[B, S_q, H, L]``."""
+    return mla_ops.mla_decode(
+        inp.q, inp.kv_cache, inp.cache_seqlens, block_table=inp.block_table,
+        head_dim_v=L, softmax_scale=SCALE,
+    )[0]  # fmt: skip
+
 
 def reference(inp: Inputs, case: Case) -> torch.Tensor:
     """float32 masked attention, one sequence at a time (keeps memory small)."""
@@ -172,14 +188,7 @@ def impls(case: Case):
     """name -> (make_fn(inp) -> callable returning out [B, S_q, H, L], note)."""
 
     def ours(inp: Inputs):
-        return lambda: mla_ops.mla_decode(
-            inp.q,
-            inp.kv_cache,
-            inp.cache_seqlens,
-            block_table=inp.block_table,
-            head_dim_v=L,
-            softmax_scale=SCALE,
-        )[0]
+        return lambda: decode_out(inp)
 
     def eager_einsum(inp: Inputs):
         kv, q = inp.contiguous, inp.q
@@ -295,17 +304,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     # Split into decode and combine: the combine's share of the total.
     inp = first
     num_splits = plan_num_splits(case.batch, case.heads * case.s_q, None, inp.q.device)
-    args = (
-        inp.q,
-        inp.kv_cache[..., :L],
-        inp.kv_cache[..., L:],
-        inp.cache_seqlens,
-        inp.block_table,
-        SCALE,
-        True,
-        num_splits,
-    )
-    o_p, l_p = torch.ops.mla.decode(*args)
+    o_p, l_p = torch.ops.mla.decode(*inp.op_args(num_splits))
     t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
@@ -323,14 +322,7 @@ def cuda_graph_replay(case: Case) -> dict:
     result = {}
 
     def fn():
-        result["out"] = mla_ops.mla_decode(
-            inp.q,
-            inp.kv_cache,
-            inp.cache_seqlens,
-            block_table=inp.block_table,
-            head_dim_v=L,
-            softmax_scale=SCALE,
-        )[0]
+        result["out"] = decode_out(inp)
 
     replay = graphed(fn)
     graph_out = result["out"]
@@ -377,17 +369,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
 
             def make(inp, cfg=cfg, splits=splits):
                 def fn():
-                    o, lse = tk.decode(
-                        inp.q,
-                        inp.kv_cache[..., :L],
-                        inp.kv_cache[..., L:],
-                        inp.cache_seqlens,
-                        inp.block_table,
-                        SCALE,
-                        True,
-                        splits,
-                        cfg,
-                    )
+                    o, lse = tk.decode(*inp.op_args(splits), cfg)
                     return tk.combine(o, lse, torch.bfloat16)[0]
 
                 return fn
@@ -541,17 +523,7 @@ def diagnose(selected: list[Case], out: Path) -> None:
         rows_q = case.heads * case.s_q
         default = tk.default_config(rows_q, L)
         for cfg in (default, tk.DecodeConfig(default.block_m, 64, 8, 3, False)):
-            tk.decode(
-                inp.q,
-                inp.kv_cache[..., :L],
-                inp.kv_cache[..., L:],
-                inp.cache_seqlens,
-                inp.block_table,
-                SCALE,
-                True,
-                2,
-                cfg,
-            )
+            tk.decode(*inp.op_args(2), cfg)
             k = tk.LAST_LAUNCH["decode"]
             ptx = k.asm["ptx"]
             counts = {n: ptx.count(m) for n, m in PTX_MARKERS.items()}

@@ -13,9 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_decode import CASES, SCALE, Inputs, L
-
-import mla_ops
+from bench_decode import CASES, Inputs, decode_out
 
 
 def main() -> None:
@@ -25,14 +23,7 @@ def main() -> None:
     args = p.parse_args()
     inp = Inputs(CASES[args.case], torch.Generator().manual_seed(0), with_contiguous=False)
     for _ in range(args.calls):
-        mla_ops.mla_decode(
-            inp.q,
-            inp.kv_cache,
-            inp.cache_seqlens,
-            block_table=inp.block_table,
-            head_dim_v=L,
-            softmax_scale=SCALE,
-        )
+        decode_out(inp)
     torch.cuda.synchronize()
 
 

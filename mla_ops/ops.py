@@ -157,6 +157,21 @@ def _values_checked_on(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("MLA_OPS_CHECK_VALUES", "0") == "1"
 
 
+def _check_decode(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    num_splits: int,
+) -> None:
+    """Every check of a real (non-fake) decode call: metadata always, values where allowed."""
+    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    if _values_checked_on(q.device):
+        check_decode_values(q, kv_c, cache_seqlens, block_table)
+
+
 # --- mla::decode -----------------------------------------------------------------------------
 
 
@@ -172,9 +187,7 @@ def decode(
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode partials. See the module docstring for shapes."""
-    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
-    if _values_checked_on(q.device):
-        check_decode_values(q, kv_c, cache_seqlens, block_table)
+    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
     return reference.decode(
         q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
     )
@@ -191,9 +204,7 @@ def _decode_cuda(
     causal: bool,
     num_splits: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
-    if _values_checked_on(q.device):
-        check_decode_values(q, kv_c, cache_seqlens, block_table)
+    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
     if q.dtype == torch.float64:
         # Triton passes float scalars (the scale) as fp32, which caps accuracy near 1e-8: float64
         # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.

@@ -38,6 +38,14 @@ def inputs(batch: int, length: int, device: str):
     return case.q, case.kv_cache, case.cache_seqlens
 
 
+def assert_matches_eager(fn, batch: int, length: int, device: str) -> None:
+    args = inputs(batch, length, device)
+    out, lse = fn(*args)
+    ref_out, ref_lse = decode_step(*args)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+
+
 def mla_nodes(graph: torch.fx.Graph) -> list[str]:
     """Names of the mla op calls in ``graph`` (overload packet or ``.default`` alike)."""
     return [
@@ -59,11 +67,7 @@ def test_compile_fullgraph_dynamic_one_node_each_no_recompile(device: str) -> No
     compiled = torch.compile(decode_step, backend=recording_backend, fullgraph=True, dynamic=True)
     # Sizes 0 and 1 are specialised by dynamo itself (its 0/1 rule), so the sweep starts at 2.
     for batch, length in [(2, 50), (3, 80), (5, 200), (4, 17)]:
-        args = inputs(batch, length, device)
-        out, lse = compiled(*args)
-        ref_out, ref_lse = decode_step(*args)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(lse, ref_lse)
+        assert_matches_eager(compiled, batch, length, device)
     assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs"
     nodes = mla_nodes(graphs[0].graph)
     assert sorted(nodes) == ["mla.combine", "mla.decode"], nodes
@@ -74,11 +78,7 @@ def test_compile_inductor(device: str) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(decode_step, fullgraph=True, dynamic=True)
     for batch, length in [(2, 50), (3, 90)]:
-        args = inputs(batch, length, device)
-        out, lse = compiled(*args)
-        ref_out, ref_lse = decode_step(*args)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(lse, ref_lse)
+        assert_matches_eager(compiled, batch, length, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -95,9 +95,5 @@ def test_export_dynamic_batch_and_length(device: str) -> None:
     )
     assert sorted(mla_nodes(ep.graph)) == ["mla.combine", "mla.decode"]
     module = ep.module()
-    for b, t in [(3, 70), (1, 300)]:
-        args = inputs(b, t, device)
-        out, lse = module(*args)
-        ref_out, ref_lse = decode_step(*args)
-        torch.testing.assert_close(out, ref_out)
-        torch.testing.assert_close(lse, ref_lse)
+    for batch, length in [(3, 70), (1, 300)]:
+        assert_matches_eager(module, batch, length, device)

@@ -15,7 +15,8 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
 
-def run_and_check(case, dtype) -> None:
+def run_and_check(case, dtype, planner: bool = False) -> None:
+    """mla_decode on ``case`` (the planner's num_splits if ``planner``) against float64."""
     out, lse = mla_ops.mla_decode(
         case.q,
         case.kv_cache,
@@ -24,7 +25,7 @@ def run_and_check(case, dtype) -> None:
         head_dim_v=case.head_dim_v,
         softmax_scale=case.softmax_scale,
         causal=case.causal,
-        num_splits=case.num_splits,
+        num_splits=None if planner else case.num_splits,
     )
     b, s, h, _ = case.q.shape
     assert out.shape == (b, s, h, case.head_dim_v) and out.dtype == case.q.dtype
@@ -87,17 +88,7 @@ def test_empty_batch(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_planner_default_is_correct(device: str) -> None:
     case = make_case(4, device=device, num_splits=1, max_len=2000, page_size=64)
-    out, lse = mla_ops.mla_decode(
-        case.q,
-        case.kv_cache,
-        case.cache_seqlens,
-        block_table=case.block_table,
-        head_dim_v=case.head_dim_v,
-        softmax_scale=case.softmax_scale,
-        causal=case.causal,
-    )
-    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
-    assert_matches(out, lse, ref_out, ref_lse, torch.float32, case.describe())
+    run_and_check(case, torch.float32, planner=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
