@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mla_ops
+from tests.conftest import requires_cuda
 
 B, S, H, L, R = 2, 1, 4, 32, 16
 
@@ -128,3 +129,26 @@ def test_device_mismatch_is_named() -> None:
 def test_combine_bad_input(out_p, lse_p, pattern) -> None:
     with pytest.raises((ValueError, TypeError), match=pattern):
         mla_ops.mla_combine(out_p, lse_p)
+
+
+@requires_cuda
+def test_value_checks_on_cuda_are_opt_in(monkeypatch) -> None:
+    """On CUDA, value checks would sync the host: off by default (the kernel poisons the rows
+    it cannot read instead), on with MLA_OPS_CHECK_VALUES=1."""
+    too_long = torch.tensor([33, 5], dtype=torch.int32)  # capacity is 2 pages x 16 = 32
+    args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in good().items()}
+    args["cache_seqlens"] = too_long.cuda()
+    monkeypatch.delenv("MLA_OPS_CHECK_VALUES", raising=False)
+    out, lse = mla_ops.mla_decode(
+        args.pop("q"), args.pop("kv_cache"), args.pop("cache_seqlens"), **args
+    )
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert not torch.isnan(out[1]).any()
+    monkeypatch.setenv("MLA_OPS_CHECK_VALUES", "1")
+    with pytest.raises(ValueError, match=r"cache_seqlens \[33, 5\] exceed"):
+        call(
+            **{
+                k: v.cuda() if isinstance(v, torch.Tensor) else v
+                for k, v in good(cache_seqlens=too_long).items()
+            }
+        )
