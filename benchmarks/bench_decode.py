@@ -369,7 +369,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
 
             def make(inp, cfg=cfg, splits=splits):
                 def fn():
-                    o, lse = tk.decode(*inp.op_args(splits), cfg)
+                    o, lse = tk.decode(*inp.op_args(splits), config=cfg)
                     return tk.combine(o, lse, torch.bfloat16)[0]
 
                 return fn
@@ -523,7 +523,7 @@ def diagnose(selected: list[Case], out: Path) -> None:
         rows_q = case.heads * case.s_q
         default = tk.default_config(rows_q, L)
         for cfg in (default, tk.DecodeConfig(default.block_m, 64, 8, 3, False)):
-            tk.decode(*inp.op_args(2), cfg)
+            tk.decode(*inp.op_args(2), config=cfg)
             k = tk.LAST_LAUNCH["decode"]
             ptx = k.asm["ptx"]
             counts = {n: ptx.count(m) for n, m in PTX_MARKERS.items()}

@@ -4,7 +4,22 @@ Importing this package registers ``torch.ops.mla.decode`` and ``torch.ops.mla.co
 (Triton kernels on CUDA, a PyTorch implementation elsewhere, fake functions for compile/export).
 """
 
-from .ops import SUPPORTED_DTYPES, mla_combine, mla_decode, split_kv_cache
+from .ops import (
+    FP8_CACHE_DTYPE,
+    SUPPORTED_DTYPES,
+    mla_combine,
+    mla_decode,
+    quantize_kv_fp8,
+    split_kv_cache,
+)
 from .planner import plan_num_splits
 
-__all__ = ["SUPPORTED_DTYPES", "mla_combine", "mla_decode", "plan_num_splits", "split_kv_cache"]
+__all__ = [
+    "FP8_CACHE_DTYPE",
+    "SUPPORTED_DTYPES",
+    "mla_combine",
+    "mla_decode",
+    "plan_num_splits",
+    "quantize_kv_fp8",
+    "split_kv_cache",
+]

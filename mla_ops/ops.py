@@ -33,6 +33,8 @@ from . import reference
 from .planner import log, plan_num_splits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# A latent cache may also be stored in float8 e4m3 with one dequantisation scale (kv_scale).
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
 
 KVCache = torch.Tensor | Sequence[torch.Tensor]
 
@@ -41,11 +43,14 @@ def _fail(message: str) -> None:
     raise ValueError(message)
 
 
-def _check_floating(name: str, t: torch.Tensor) -> None:
+def _check_floating(name: str, t: torch.Tensor, allow_fp8: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16, float32 or float64, got {t.dtype}")
+    if t.dtype not in SUPPORTED_DTYPES and not (allow_fp8 and t.dtype == FP8_CACHE_DTYPE):
+        extra = " (or float8_e4m3fn with kv_scale)" if allow_fp8 else ""
+        raise TypeError(
+            f"{name} must be bfloat16, float16, float32 or float64{extra}, got {t.dtype}"
+        )
 
 
 def _check_index(name: str, t: torch.Tensor | None, ndim: int, device: torch.device) -> None:
@@ -67,6 +72,7 @@ def check_decode_args(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
+    kv_scale: float | None = None,
 ) -> None:
     """Shape, dtype and device checks of ``mla::decode`` (metadata only: no host sync)."""
     _check_floating("q", q)
@@ -74,9 +80,11 @@ def check_decode_args(
         _fail(f"q must be [batch, S_q, heads, L+R], got shape {tuple(q.shape)}")
     batch, _, _, q_dim = q.shape
     for name, part in (("kv_c", kv_c), ("k_pe", k_pe)):
-        _check_floating(name, part)
-        if part.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {part.dtype}")
+        _check_floating(name, part, allow_fp8=True)
+        if part.dtype not in (q.dtype, FP8_CACHE_DTYPE):
+            raise TypeError(
+                f"{name} must have q's dtype {q.dtype} (or float8_e4m3fn), got {part.dtype}"
+            )
         if part.device != q.device:
             _fail(f"{name} must be on {q.device} (q's device), got {part.device}")
         if part.dim() != 3:
@@ -112,6 +120,16 @@ def check_decode_args(
         _fail(f"softmax_scale must be finite, got {softmax_scale}")
     if num_splits < 1:
         _fail(f"num_splits must be >= 1, got {num_splits}")
+    fp8 = FP8_CACHE_DTYPE in (kv_c.dtype, k_pe.dtype)
+    if fp8 and kv_scale is None:
+        raise TypeError("a float8_e4m3fn cache needs kv_scale (stored value x kv_scale = real)")
+    if kv_scale is not None:
+        if not fp8:
+            _fail(f"kv_scale is for a float8_e4m3fn cache; this cache is {kv_c.dtype}")
+        if q.dtype == torch.float64:
+            raise TypeError("a float8 cache takes a bfloat16, float16 or float32 q, not float64")
+        if not (math.isfinite(kv_scale) and kv_scale > 0):
+            _fail(f"kv_scale must be a positive finite float, got {kv_scale}")
 
 
 def check_decode_values(
@@ -165,9 +183,12 @@ def _check_decode(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
+    kv_scale: float | None,
 ) -> None:
     """Every check of a real (non-fake) decode call: metadata always, values where allowed."""
-    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    check_decode_args(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale
+    )
     if _values_checked_on(q.device):
         check_decode_values(q, kv_c, cache_seqlens, block_table)
 
@@ -185,11 +206,12 @@ def decode(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode partials. See the module docstring for shapes."""
-    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale)
     return reference.decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
     )
 
 
@@ -203,19 +225,20 @@ def _decode_cuda(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale)
     if q.dtype == torch.float64:
         # Triton passes float scalars (the scale) as fp32, which caps accuracy near 1e-8: float64
         # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.
         log.debug("mla::decode: float64 on CUDA runs the PyTorch implementation")
         return reference.decode(
-            q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+            q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
         )
     from . import triton_kernels
 
     return triton_kernels.decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
     )
 
 
@@ -229,8 +252,11 @@ def _decode_fake(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits)
+    check_decode_args(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale
+    )
     batch, s_q, heads, _ = q.shape
     acc = reference.accumulation_dtype(q.dtype)
     out = q.new_empty((batch, s_q, heads, num_splits, kv_c.shape[-1]), dtype=acc)
@@ -302,7 +328,7 @@ def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, to
     if not isinstance(head_dim_v, int) or isinstance(head_dim_v, bool) or head_dim_v < 1:
         _fail(f"head_dim_v must be a positive int, got {head_dim_v!r}")
     if isinstance(kv_cache, torch.Tensor):
-        _check_floating("kv_cache", kv_cache)
+        _check_floating("kv_cache", kv_cache, allow_fp8=True)
         if kv_cache.dim() != 3:
             _fail(
                 "kv_cache must be [num_pages, page_size, L+R] (with block_table) or "
@@ -316,8 +342,8 @@ def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, to
         return kv_cache[..., :head_dim_v], kv_cache[..., head_dim_v:]
     if isinstance(kv_cache, (tuple, list)) and len(kv_cache) == 2:
         kv_c, k_pe = kv_cache
-        _check_floating("kv_cache[0] (kv_c)", kv_c)
-        _check_floating("kv_cache[1] (k_pe)", k_pe)
+        _check_floating("kv_cache[0] (kv_c)", kv_c, allow_fp8=True)
+        _check_floating("kv_cache[1] (k_pe)", k_pe, allow_fp8=True)
         if kv_c.shape[-1] != head_dim_v:
             _fail(
                 f"head_dim_v={head_dim_v} must equal kv_c's last dimension ({kv_c.shape[-1]}) "
@@ -340,6 +366,7 @@ def mla_decode(
     softmax_scale: float,
     causal: bool = True,
     num_splits: int | None = None,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a (paged) latent cache.
 
@@ -353,6 +380,9 @@ def mla_decode(
         softmax_scale: applied to the scores; DeepSeek's is ``(P+R)**-0.5 * mscale**2``.
         causal: query i of S_q sees keys ``[0, cache_seqlens - S_q + i]``.
         num_splits: split-KV chunks per sequence; ``None`` lets the planner choose.
+        kv_scale: dequantisation scale of a ``float8_e4m3fn`` cache (real = stored x kv_scale),
+            one per tensor; required for fp8, rejected otherwise. In the pair form k_pe may stay
+            in q's dtype (unscaled) while kv_c is fp8. See ``quantize_kv_fp8``.
 
     Returns:
         ``out [B, S_q, H, L]`` in q's dtype and ``lse [B, S_q, H]`` (natural log; float32, or
@@ -369,15 +399,35 @@ def mla_decode(
         block_table,
         softmax_scale,
         1 if num_splits is None else num_splits,
+        None if kv_scale is None else float(kv_scale),
     )
     if num_splits is None:
         capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
         num_splits = plan_num_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)
     out_partial, lse_partial = torch.ops.mla.decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, float(softmax_scale), causal, num_splits
+        q,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        block_table,
+        float(softmax_scale),
+        causal,
+        num_splits,
+        None if kv_scale is None else float(kv_scale),
     )
     out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
     return out, lse
+
+
+def quantize_kv_fp8(kv: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per-tensor float8 e4m3 quantisation of a latent cache: ``(kv_fp8, kv_scale)``.
+
+    ``kv_fp8 * kv_scale`` approximates ``kv``; pass both to ``mla_decode``. Reads the amax back to
+    the host (one sync): meant for filling a cache, not for the decode step.
+    """
+    amax = kv.abs().amax().float().item()
+    scale = max(amax, 1e-12) / torch.finfo(FP8_CACHE_DTYPE).max
+    return (kv.float() / scale).to(FP8_CACHE_DTYPE), scale
 
 
 def mla_combine(

@@ -45,18 +45,21 @@ def decode(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``."""
+    """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``.
+
+    A float8 cache part is dequantised with ``kv_scale``.
+    """
     batch, s_q, heads, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     kv_len = kv_c.shape[-1]
-    rows = torch.cat(
-        [
-            gather_rows(kv_c, cache_seqlens, block_table),
-            gather_rows(k_pe, cache_seqlens, block_table),
-        ],
-        dim=-1,
-    ).to(acc)  # [B, T, L+R]
+
+    def dequantised(part: torch.Tensor) -> torch.Tensor:
+        rows = gather_rows(part, cache_seqlens, block_table).to(acc)
+        return rows * kv_scale if part.dtype == torch.float8_e4m3fn else rows
+
+    rows = torch.cat([dequantised(kv_c), dequantised(k_pe)], dim=-1)  # [B, T, L+R]
     capacity = rows.shape[1]
     seqlen = cache_seqlens.long()
     token = torch.arange(capacity, device=q.device)

@@ -33,15 +33,16 @@ from .reference import accumulation_dtype
 def _gather_tile_scores(
     KV_C, K_PE, BLOCK_TABLE, q_nope, q_pe, b64, offs_n, tok_ok, offs_l, offs_r,
     stride_cp, stride_ct, stride_cd, stride_pp, stride_pt, stride_pd, stride_btb, stride_btp,
-    NUM_PAGES, MAX_PAGES, CAPACITY,
+    NUM_PAGES, MAX_PAGES, CAPACITY, nope_scale, pe_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, PAGED: tl.constexpr, HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One KV tile by per-token address (any page size, any strides) and its scores.
 
-    Returns the value tile ``kv [BLOCK_N, BLOCK_L]``, ``qk [BLOCK_M, BLOCK_N]`` (unscaled) and the
-    tokens actually read (in the split and at a valid cache location).
+    Returns the value tile ``kv [BLOCK_N, BLOCK_L]`` in q's dtype (a float8 cache is converted
+    here, its scale left to the caller), ``qk [BLOCK_M, BLOCK_N]`` (dequantised, not yet
+    softmax-scaled) and the tokens actually read (in the split and at a valid cache location).
     """
     if PAGED:
         page_pos = offs_n // PAGE_SIZE
@@ -65,16 +66,16 @@ def _gather_tile_scores(
         kc_row[:, None] + offs_l[None, :] * stride_cd,
         mask=ld[:, None] & (offs_l[None, :] < L),
         other=0.0,
-    )  # [BLOCK_N, BLOCK_L]
-    qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+    ).to(q_nope.dtype)  # [BLOCK_N, BLOCK_L]
+    qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * nope_scale
     if HAS_PE:
         kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
         kpe = tl.load(
             kp_row[:, None] + offs_r[None, :] * stride_pd,
             mask=ld[:, None] & (offs_r[None, :] < R),
             other=0.0,
-        )  # [BLOCK_N, BLOCK_R]
-        qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+        ).to(q_pe.dtype)  # [BLOCK_N, BLOCK_R]
+        qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION) * pe_scale
     return kv, qk, ld
 
 
@@ -114,6 +115,8 @@ def _mla_decode_kernel(
     MAX_PAGES,
     CAPACITY,  # tokens per sequence when not PAGED
     scale_log2,  # softmax_scale * log2(e)
+    nope_scale,  # dequantisation scale of kv_c (1.0 unless float8)
+    pe_scale,  # dequantisation scale of k_pe (1.0 unless float8)
     num_splits,
     S_Q: tl.constexpr,
     H: tl.constexpr,
@@ -196,11 +199,11 @@ def _mla_decode_kernel(
             ld = tok_ok & page_ok
             # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
             # p = 0 times them stays 0 in P @ V.
-            kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, L]
-            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+            kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]).to(q_nope.dtype), 0.0)
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * nope_scale
             if HAS_PE:
-                kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]), 0.0)  # [BLOCK_N, R]
-                qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION)
+                kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]).to(q_pe.dtype), 0.0)
+                qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION) * pe_scale
         else:
             kv, qk, ld = _gather_tile_scores(
                 KV_C,
@@ -224,6 +227,8 @@ def _mla_decode_kernel(
                 NUM_PAGES,
                 MAX_PAGES,
                 CAPACITY,
+                nope_scale,
+                pe_scale,
                 L,
                 R,
                 PAGE_SIZE,
@@ -249,7 +254,7 @@ def _mla_decode_kernel(
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = acc / l_safe[:, None] * nope_scale  # the value is kv_c: dequantise once, here
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
     poisoned = tl.sum(n_bad, 0) > 0
     out = tl.where(poisoned, float("nan"), out)
@@ -445,9 +450,10 @@ def decode(
     softmax_scale: float,
     causal: bool,
     num_splits: int,
+    kv_scale: float | None = None,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 only."""
+    """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only."""
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
     batch, s_q, heads, _ = q.shape
@@ -506,6 +512,8 @@ def decode(
             max_pages,
             capacity,
             softmax_scale * 1.4426950408889634,
+            kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
+            kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
             num_splits,
             S_Q=s_q,
             H=heads,

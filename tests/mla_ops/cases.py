@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.mla_ops.reference64 import mla_attention
+
 # (atol, rtol) of an output against the float64 reference, by input dtype.
 TOLERANCE = {
     torch.float64: (1e-10, 1e-10),
@@ -36,6 +38,7 @@ class DecodeCase:
     softmax_scale: float
     causal: bool
     num_splits: int
+    kv_scale: float | None = None  # set for a float8 cache
 
     def op_args(self) -> tuple:
         return (
@@ -47,6 +50,21 @@ class DecodeCase:
             self.softmax_scale,
             self.causal,
             self.num_splits,
+            self.kv_scale,
+        )
+
+    def reference(self, token_range=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float64 reference of this problem (optionally one token range per sequence)."""
+        return mla_attention(
+            self.q,
+            self.kv_c,
+            self.k_pe,
+            self.cache_seqlens,
+            self.block_table,
+            self.softmax_scale,
+            self.causal,
+            token_range=token_range,
+            kv_scale=self.kv_scale,
         )
 
     def describe(self) -> str:
@@ -55,7 +73,8 @@ class DecodeCase:
         return (
             f"B={b} S_q={s} H={h} L={self.head_dim_v} R={d - self.head_dim_v} page={page} "
             f"lens={self.cache_seqlens.tolist()} causal={self.causal} splits={self.num_splits} "
-            f"pair={isinstance(self.kv_cache, tuple)} dtype={self.q.dtype}"
+            f"pair={isinstance(self.kv_cache, tuple)} dtype={self.q.dtype} "
+            f"cache={self.kv_c.dtype}/{self.k_pe.dtype}"
         )
 
 
@@ -74,6 +93,7 @@ def make_case(
     pair: bool | None = None,
     max_len: int | None = None,
     lengths: list[int] | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> DecodeCase:
     """A random decode problem; every argument left out is drawn from ``seed``."""
     rng = random.Random(seed)
@@ -114,11 +134,20 @@ def make_case(
             ids[b, math.ceil(length / page_size) :] = rng.choice([-1, 10**6, 0])
         block_table = ids.to(torch.int32).to(device)
     _poison_unused(storage, lengths, None if page_size is None else ids, page_size)
-    cache = storage[..., :row].to(dtype).to(device)
+    kv_scale = None
+    if cache_dtype == torch.float8_e4m3fn:
+        # Per-tensor scale from the live rows (the NaN poison stays NaN in e4m3fn).
+        kv_scale = max(float(storage.nan_to_num(0.0).abs().amax()), 1.0) / 448.0
+        cache = (storage[..., :row] / kv_scale).to(cache_dtype).to(device)
+    else:
+        cache = storage[..., :row].to(dtype).to(device)
     kv_c, k_pe = cache[..., :kv_len], cache[..., kv_len:]
     if pair:
-        # Hugging Face keeps kv_c and k_pe in separate tensors.
+        # Hugging Face keeps kv_c and k_pe in separate tensors; an fp8 cache may keep the RoPE
+        # part in q's dtype (as FlashMLA's fp8 layout does).
         kv_c, k_pe = kv_c.clone(), k_pe.clone()
+        if kv_scale is not None and rng.random() < 0.5:
+            k_pe = (k_pe.float() * kv_scale).to(dtype)
         kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (kv_c, k_pe)
     else:
         kv_cache = cache
@@ -134,6 +163,7 @@ def make_case(
         softmax_scale=rng.uniform(0.5, 2.0) / math.sqrt(row),
         causal=causal,
         num_splits=num_splits,
+        kv_scale=kv_scale,
     )
 
 

@@ -10,15 +10,21 @@ import torch
 
 
 def cache_rows(
-    cache: torch.Tensor, block_table: torch.Tensor | None, batch_index: int, length: int
+    cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+    batch_index: int,
+    length: int,
+    kv_scale: float | None = None,
 ) -> torch.Tensor:
-    """Rows ``[length, D]`` of one sequence, in token order, as float64."""
+    """Rows ``[length, D]`` of one sequence, in token order, as float64 (float8 dequantised)."""
     if block_table is None:
-        return cache[batch_index, :length].cpu().double()
-    page_size = cache.shape[1]
-    tokens = torch.arange(length)
-    pages = block_table[batch_index].long().cpu()[tokens // page_size]
-    return cache.cpu()[pages, tokens % page_size].double()
+        rows = cache[batch_index, :length].cpu().double()
+    else:
+        page_size = cache.shape[1]
+        tokens = torch.arange(length)
+        pages = block_table[batch_index].long().cpu()[tokens // page_size]
+        rows = cache.cpu()[pages, tokens % page_size].double()
+    return rows * kv_scale if cache.dtype == torch.float8_e4m3fn else rows
 
 
 def mla_attention(
@@ -30,11 +36,13 @@ def mla_attention(
     softmax_scale: float,
     causal: bool,
     token_range: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, S_q, H, L+R]`` over the cache: ``out [B, S_q, H, L], lse [B, S_q, H]``.
 
     token_range: optional per-sequence ``(start [B], end [B])``: only those keys are attended
-    (one split's partial state). Everything is computed in float64 on the CPU.
+    (one split's partial state). kv_scale dequantises a float8 cache. Everything is computed in
+    float64 on the CPU.
     """
     batch, s_q, heads, _ = q.shape
     kv_len = kv_c.shape[-1]
@@ -43,7 +51,10 @@ def mla_attention(
     for b in range(batch):
         length = int(cache_seqlens[b])
         keys = torch.cat(
-            [cache_rows(kv_c, block_table, b, length), cache_rows(k_pe, block_table, b, length)],
+            [
+                cache_rows(kv_c, block_table, b, length, kv_scale),
+                cache_rows(k_pe, block_table, b, length, kv_scale),
+            ],
             dim=-1,
         )  # [length, L+R]
         for i in range(s_q):

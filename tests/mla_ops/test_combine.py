@@ -8,7 +8,6 @@ import torch
 import mla_ops
 from tests.conftest import HAS_CUDA
 from tests.mla_ops.cases import make_case
-from tests.mla_ops.reference64 import mla_attention
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 
@@ -63,13 +62,12 @@ def test_prefix_and_suffix_states_merge_into_full_attention(device: str) -> None
     case = make_case(11, device=device, lengths=[90, 130], s_q=1, causal=False, page_size=None)
     split_at = torch.tensor([40, 77])
     seq = case.cache_seqlens.cpu()
-    args = case.op_args()[:-1]
-    prefix = mla_attention(*args, token_range=(torch.zeros(2, dtype=torch.long), split_at))
-    suffix = mla_attention(*args, token_range=(split_at, seq.long()))
+    prefix = case.reference(token_range=(torch.zeros(2, dtype=torch.long), split_at))
+    suffix = case.reference(token_range=(split_at, seq.long()))
     out_p = torch.stack([prefix[0], suffix[0]], dim=-2).float().to(device)
     lse_p = torch.stack([prefix[1], suffix[1]], dim=-1).float().to(device)
     out, lse = mla_ops.mla_combine(out_p, lse_p)
-    full_out, full_lse = mla_attention(*args)
+    full_out, full_lse = case.reference()
     torch.testing.assert_close(out.cpu().double(), full_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), full_lse, atol=1e-5, rtol=1e-5)
 

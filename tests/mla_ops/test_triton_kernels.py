@@ -11,7 +11,6 @@ import torch
 
 from tests.conftest import HAS_CUDA, triton_available
 from tests.mla_ops.cases import assert_matches, make_case
-from tests.mla_ops.reference64 import mla_attention
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -58,7 +57,7 @@ def test_tma_and_gather_paths(path_kernels, seed: int, dtype: torch.dtype) -> No
     )
     out, lse = run_kernels(path_kernels, case)
     assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
-    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
@@ -83,7 +82,7 @@ def run_kernels(kernels, case):
 def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
     case = make_case(100 + seed, dtype=dtype, device=DEVICE, max_len=300 if not HAS_CUDA else None)
     out, lse = run_kernels(kernels, case)
-    ref_out, ref_lse = mla_attention(*case.op_args()[:-1])
+    ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
@@ -155,3 +154,24 @@ def test_default_config_fits_shared_memory() -> None:
     for rows in (16, 32, 128, 256):
         cfg = tk.default_config(rows, 512, 64, 4, 232448)
         assert tk.shared_memory_bytes(cfg, 576, 4) <= 232448
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else []), ids=str
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_cache(path_kernels, seed: int, dtype: torch.dtype) -> None:
+    """Float8 cache tiles (TMA or gather) converted in the kernel, scale folded in."""
+    case = make_case(
+        600 + seed,
+        dtype=dtype,
+        device=DEVICE,
+        page_size=64,
+        dims=(32, 16) if seed % 2 else (64, 0),
+        cache_dtype=torch.float8_e4m3fn,
+        max_len=300 if not HAS_CUDA else 3000,
+    )
+    out, lse = run_kernels(path_kernels, case)
+    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
