@@ -53,6 +53,7 @@ class Case:
     s_q: int = 1
     page_size: int = 64
     ragged: bool = False
+    fp8: bool = False  # kv_c in float8 e4m3 (per-tensor scale), k_pe kept in bf16
 
 
 CASES = {
@@ -63,6 +64,7 @@ CASES = {
     "e": Case("e", 64, 16, 8192, ragged=True),
     "f": Case("f", 64, 128, 4096, s_q=2),
     "g": Case("g", 128, 16, 4096, page_size=1),
+    "a8": Case("a8", 128, 16, 4096, fp8=True),
 }
 
 
@@ -120,24 +122,34 @@ class Inputs:
         self.cache_seqlens = lengths.to(dev, torch.int32)
         self.q = torch.randn(b, case.s_q, case.heads, L + R, generator=gen).to(dev, dt)
         self.lengths = lengths
+        # fp8: the decode reads (kv_c_fp8, k_pe bf16); the bf16 cache stays the reference.
+        self.kv_c_fp8, self.kv_scale = None, None
+        if case.fp8:
+            self.kv_c_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache[..., :L])
         self.contiguous = None
         if with_contiguous:  # [B, T, L+R], rows past each length are never attended
             self.contiguous = self.kv_cache[self.block_table.long()].view(b, -1, L + R)
 
     def op_args(self, num_splits: int) -> tuple:
         """Arguments of ``torch.ops.mla.decode`` for this copy (causal, DeepSeek-V3 scale)."""
-        kv = self.kv_cache
+        kv_c, k_pe = self.decode_cache()
         return (
-            self.q, kv[..., :L], kv[..., L:], self.cache_seqlens, self.block_table, SCALE, True,
-            num_splits,
+            self.q, kv_c, k_pe, self.cache_seqlens, self.block_table, SCALE, True, num_splits,
+            self.kv_scale,
         )  # fmt: skip
+
+    def decode_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``(kv_c, k_pe)`` pair the decode reads (kv_c in fp8 for fp8 cases)."""
+        if self.kv_c_fp8 is not None:
+            return self.kv_c_fp8, self.kv_cache[..., L:]
+        return self.kv_cache[..., :L], self.kv_cache[..., L:]
 
 
 def decode_out(inp: Inputs) -> torch.Tensor:
     """``mla_decode`` on one input copy, with the planner's defaults: ``[B, S_q, H, L]``."""
     return mla_ops.mla_decode(
-        inp.q, inp.kv_cache, inp.cache_seqlens, block_table=inp.block_table,
-        head_dim_v=L, softmax_scale=SCALE,
+        inp.q, inp.decode_cache(), inp.cache_seqlens, block_table=inp.block_table,
+        head_dim_v=L, softmax_scale=SCALE, kv_scale=inp.kv_scale,
     )[0]  # fmt: skip
 
 
@@ -252,7 +264,8 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
     elt = 2
     q_bytes = case.batch * case.s_q * case.heads * (L + R) * elt
     o_bytes = case.batch * case.s_q * case.heads * L * elt
-    nbytes = tokens * (L + R) * elt + q_bytes + o_bytes
+    row_bytes = (L * 1 + R * elt) if case.fp8 else (L + R) * elt
+    nbytes = tokens * row_bytes + q_bytes + o_bytes
     flops = 2 * case.heads * case.s_q * tokens * (2 * L + R)
     return nbytes, flops
 
@@ -270,7 +283,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     ref = reference(first, case)
     rows = []
     names = ["mla_decode"]
-    if peers:
+    if peers and not case.fp8:
         names += ["eager_einsum", "sdpa_mqa"] + (["flex"] if case.name in FLEX_CASES else [])
     for name in names:
         progress(f"{case.name}:{name}")
@@ -499,6 +512,12 @@ def main() -> None:
         f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
         f"matches eager: {graph['matches_eager']}"
     )
+    ours = {r.case: r for r in rows if r.impl == "mla_decode" and r.time_us}
+    if "a" in ours and "a8" in ours:
+        print(
+            f"fp8 cache (a8) vs bf16 (a): {ours['a'].time_us / ours['a8'].time_us:.2f}x faster, "
+            f"rel_err vs the bf16-cache reference {ours['a8'].rel_err:.1e}"
+        )
 
 
 PTX_MARKERS = {

@@ -97,3 +97,37 @@ def test_export_dynamic_batch_and_length(device: str) -> None:
     module = ep.module()
     for batch, length in [(3, 70), (1, 300)]:
         assert_matches_eager(module, batch, length, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fp8_cache(device: str) -> None:
+    case = make_case(
+        31,
+        device=device,
+        s_q=1,
+        heads=H,
+        dims=(L, R),
+        page_size=16,
+        lengths=[40, 17],
+        cache_dtype=torch.float8_e4m3fn,
+        pair=False,
+    )
+
+    def step(q, kv_cache, cache_seqlens, block_table):
+        return mla_ops.mla_decode(
+            q,
+            kv_cache,
+            cache_seqlens,
+            block_table=block_table,
+            head_dim_v=L,
+            softmax_scale=0.125,
+            kv_scale=case.kv_scale,
+        )
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    args = (case.q, case.kv_cache, case.cache_seqlens, case.block_table)
+    out, lse = compiled(*args)
+    ref_out, ref_lse = step(*args)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)

@@ -93,6 +93,31 @@ def test_good_call_works() -> None:
         ({"softmax_scale": None}, TypeError, "softmax_scale must be a float"),
         ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
         ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
+        (
+            {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn)},
+            TypeError,
+            "a float8_e4m3fn cache needs kv_scale",
+        ),
+        ({"kv_scale": 0.5}, ValueError, "kv_scale is for a float8_e4m3fn cache"),
+        (
+            {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn), "kv_scale": -1.0},
+            ValueError,
+            "kv_scale must be a positive finite float",
+        ),
+        (
+            {
+                "q": torch.randn(B, S, H, L + R, dtype=torch.float64),
+                "kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn),
+                "kv_scale": 0.5,
+            },
+            TypeError,
+            "a float8 cache takes a bfloat16, float16 or float32 q",
+        ),
+        (
+            {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e5m2), "kv_scale": 0.5},
+            TypeError,
+            r"kv_cache must be bfloat16, float16, float32 or float64 \(or float8_e4m3fn",
+        ),
     ],
 )
 def test_bad_input(overrides, error, pattern) -> None:
