@@ -5,10 +5,15 @@ flattened, so one KV tile loaded from the cache feeds every head of the block (M
 head). Scores are one 576-wide dot written as two: ``q_nope . kv_c`` (L) plus ``q_pe . k_pe`` (R),
 so nothing is padded to 1024; the same ``kv_c`` tile is the value for ``P @ V``. Softmax runs in the
 exp2 domain with the scale folded in. Partials are written in float32 with ``lse = m + log l``.
+KV tiles come either from per-token addresses (any page size, any strides) or, when a tile lies
+inside one page and rows are 16-byte aligned, from the copy engine (TMA) on Hopper. A float8 cache
+is converted to q's dtype per tile; its scale is folded into the scores and the output.
 
-Safety: every cache read is masked to the split, the sequence length and the cache's capacity;
-a token inside ``cache_seqlens`` whose location is outside the cache (page id out of range,
-length beyond capacity) is never read: its rows come out NaN instead, with no host sync.
+Safety: every cache read is masked to the split, the sequence length and the cache's capacity
+(TMA zero-fills outside the descriptor); a token inside ``cache_seqlens`` whose location is outside
+the cache (page id out of range, length beyond capacity) is never read: its rows come out NaN
+instead, with no host sync. Rows past a sequence's end are zeroed before ``P @ V`` (stale memory
+may hold NaN).
 
 This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 """
