@@ -1,0 +1,128 @@
+"""Compile the decode kernel for sm_90 without a GPU: registers, spills, shared memory, PTX mix.
+
+Triton's wheel carries ptxas and cuobjdump, so register pressure and the instruction mix of any
+tiling can be read on a CPU-only machine (no device time). The launch's own specialisations are
+reproduced: unit strides are compile-time 1, pointers and other strides 16-divisible. Figures come
+from the local Triton, which may differ from the GPU machine's (NOTES.md says which was used).
+
+    python benchmarks/offline_compile.py                       # the default 16- and 64-row tilings
+    python benchmarks/offline_compile.py --rows 16 --block-n 64 --warps 8 --stages 3 --dump /tmp/k
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mla_ops import triton_kernels as tk
+from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+
+POINTERS = ("Q", "KV_C", "K_PE", "SEQLENS", "BLOCK_TABLE", "O_PART", "LSE_PART")
+UNIT_STRIDES = ("stride_qd", "stride_cd", "stride_pd", "stride_od", "stride_btp", "stride_lk")
+FLOATS = ("scale_log2", "nope_scale", "pe_scale")
+
+
+def compile_decode(
+    cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
+    rope_len: int = 64,
+):  # fmt: skip
+    """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
+    kernel = tk._mla_decode_kernel
+    params = list(inspect.signature(kernel.fn).parameters)
+    element = {"Q": dtype, "KV_C": dtype, "K_PE": dtype, "SEQLENS": "i32", "BLOCK_TABLE": "i32"}
+    const = dict(
+        S_Q=s_q, H=heads, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
+        GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
+        BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
+        DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None,
+    )  # fmt: skip
+    const.update(dict.fromkeys(UNIT_STRIDES, 1))
+    signature, attrs = {}, {}
+    for i, name in enumerate(params):
+        if name in const:
+            signature[name] = "constexpr"
+        elif name in POINTERS:
+            signature[name] = "*" + element.get(name, "fp32")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(
+        kernel, signature, constexprs={(params.index(k),): v for k, v in const.items()}, attrs=attrs
+    )
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(compiled) -> dict:
+    """Registers, local memory (spills) and shared memory, read from the cubin by cuobjdump."""
+    cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run(
+            [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    match = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text, re.S)
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    return {
+        "regs": int(match.group(1)),
+        "local_bytes": int(match.group(2)),
+        "shared_bytes": compiled.metadata.shared,
+        "async_copies": ttgir.count("async_copy_global_to_local"),
+        "mma.sync": ptx.count("mma.sync"),
+        "wgmma": ptx.count("wgmma.mma_async"),
+        "cp.async": ptx.count("cp.async.cg"),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, help="block_m; default: the 16- and 64-row defaults")
+    p.add_argument("--block-n", type=int, default=None)
+    p.add_argument("--warps", type=int, default=None)
+    p.add_argument("--stages", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--dump", help="folder for the TTGIR and PTX")
+    args = p.parse_args()
+    heads_for = {16: 16, 32: 32, 64: 128}
+    rows = [args.rows] if args.rows else [16, 64]
+    print(f"triton {triton.__version__}, target sm_90")
+    for block_m in rows:
+        cfg = tk.default_config(heads_for.get(block_m, block_m), 512)
+        cfg = tk.DecodeConfig(
+            block_m,
+            args.block_n or cfg.block_n,
+            args.warps or cfg.num_warps,
+            args.stages or cfg.num_stages,
+        )
+        compiled = compile_decode(
+            cfg, heads_for.get(block_m, block_m), 1, args.page_size, args.dtype
+        )
+        print(cfg, resources(compiled))
+        if args.dump:
+            out = Path(args.dump)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"decode_m{block_m}.ttgir").write_text(compiled.asm["ttgir"])
+            (out / f"decode_m{block_m}.ptx").write_text(compiled.asm["ptx"])
+
+
+if __name__ == "__main__":
+    main()
