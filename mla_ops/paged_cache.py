@@ -1,0 +1,226 @@
+"""Paged latent storage in the layout ``mla_decode`` reads: one ``[kv_c | k_pe]`` row per token.
+
+``PagedLatentCache`` keeps, per layer, a pool of pages ``[num_pages, page_size, L+R]``, and for the
+batch one block table ``[B, max_pages]`` (int32 page ids, shared by all layers) and per-layer
+lengths. It is the storage under a Hugging Face cache (issue 5); it knows nothing of transformers.
+
+* ``static=True`` allocates every sequence's pages up front: no tensor ever changes address (the
+  precondition for capturing a decode step in a CUDA graph; ``append`` still takes its write
+  positions from the host-side length, so capture also needs positions passed in, which is issue
+  5's part). ``static=False`` takes pages from a free list as sequences grow (a host-side
+  allocator; the block table is updated when a page is added).
+* Every sequence owns its pages: no page is ever in two rows of the block table.
+* All sequences of the batch advance together (as in ``generate()``, where padding is a token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class PagedLatentCache:
+    """Latent rows of ``num_layers`` layers for a batch of ``batch_size`` sequences.
+
+    Args:
+        num_layers: layers stored.
+        batch_size: sequences (B).
+        kv_len, rope_len: L and R of a row (DeepSeek-V3: 512, 64).
+        max_length: most tokens one sequence may hold.
+        page_size: tokens per page (64 is what the kernel's copy-engine path wants).
+        num_pages: pages per layer pool; default: enough for every sequence at ``max_length``.
+        static: allocate all pages up front (fixed addresses, CUDA-graph friendly).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        batch_size: int,
+        kv_len: int,
+        rope_len: int,
+        max_length: int,
+        page_size: int = 64,
+        num_pages: int | None = None,
+        static: bool = False,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch_size", batch_size),
+            ("kv_len", kv_len),
+            ("max_length", max_length),
+            ("page_size", page_size),
+        ):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(rope_len, int) or rope_len < 0:
+            raise ValueError(f"rope_len must be an int >= 0, got {rope_len!r}")
+        self.kv_len, self.rope_len, self.page_size = kv_len, rope_len, page_size
+        self.batch_size, self.max_length = batch_size, max_length
+        self.static = static
+        self.dtype, self.device = dtype, torch.device(device)
+        self.pages_per_seq = math.ceil(max_length / page_size)
+        needed = batch_size * self.pages_per_seq
+        num_pages = needed if num_pages is None else num_pages
+        if static and num_pages < needed:
+            raise ValueError(
+                f"static cache needs {needed} pages ({batch_size} sequences x "
+                f"{self.pages_per_seq} pages of {page_size} for max_length={max_length}), "
+                f"got num_pages={num_pages}"
+            )
+        self.num_pages = num_pages
+        row = kv_len + rope_len
+        # [num_pages, page_size, L+R] per layer: the kv_cache argument of mla_decode.
+        self.pools = [
+            torch.empty(num_pages, page_size, row, dtype=dtype, device=self.device)
+            for _ in range(num_layers)
+        ]
+        # [B, pages_per_seq] int32; -1 marks a page not allocated (never read by the kernel).
+        self.block_table = torch.full(
+            (batch_size, self.pages_per_seq), -1, dtype=torch.int32, device=self.device
+        )
+        # [num_layers, B] int32: tokens stored per sequence and layer (the S_q new ones included).
+        self.seqlens = torch.zeros(num_layers, batch_size, dtype=torch.int32, device=self.device)
+        self._lengths = [0] * num_layers  # host mirror: every sequence has the same length
+        self._pages_allocated = 0  # pages per sequence currently in the block table
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack of page ids
+        self._owned: list[list[int]] = [[] for _ in range(batch_size)]
+        if static:
+            self._allocate_pages(self.pages_per_seq)
+
+    # --- sizes --------------------------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.pools)
+
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes one token occupies in one layer: ``(L+R) * element size``."""
+        return (self.kv_len + self.rope_len) * self.pools[0].element_size()
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Tokens stored per sequence in ``layer``."""
+        return self._lengths[layer]
+
+    # --- the arguments of mla_decode ----------------------------------------------------------
+
+    def decode_args(self, layer: int) -> dict:
+        """``kv_cache``, ``cache_seqlens`` and ``block_table`` of ``layer`` for ``mla_decode``."""
+        return {
+            "kv_cache": self.pools[layer],
+            "cache_seqlens": self.seqlens[layer],
+            "block_table": self.block_table,
+        }
+
+    # --- writing ------------------------------------------------------------------------------
+
+    def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store ``S`` new rows per sequence: ``kv_c [B, S, L]``, ``k_pe [B, S, R]``."""
+        self._check_rows(kv_c, k_pe)
+        new = kv_c.shape[1]
+        start = self._lengths[layer]
+        end = start + new
+        if end > self.max_length:
+            raise ValueError(
+                f"cache capacity exceeded: {start} + {new} tokens > max_length={self.max_length}"
+            )
+        self._allocate_pages(math.ceil(end / self.page_size))
+        positions = torch.arange(start, end, device=self.device)  # [S]
+        pages = self.block_table[:, positions // self.page_size].long()  # [B, S]
+        slots = pages * self.page_size + positions % self.page_size  # [B, S] row in the pool
+        rows = torch.cat([kv_c, k_pe], dim=-1).to(self.dtype)  # [B, S, L+R]
+        pool = self.pools[layer].view(-1, self.kv_len + self.rope_len)
+        pool.index_copy_(0, slots.reshape(-1), rows.reshape(-1, rows.shape[-1]))
+        self._lengths[layer] = end
+        self.seqlens[layer].fill_(end)
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored rows of ``layer`` in token order: ``kv_c [B, T, L]``, ``k_pe [B, T, R]``.
+
+        A gather (copy): for an unrewritten model that attends over full tensors.
+        """
+        length = self._lengths[layer]
+        pages = self.block_table[:, : math.ceil(length / self.page_size)].long()  # [B, n]
+        gathered = self.pools[layer][pages].flatten(1, 2)[:, :length]  # [B, T, L+R]
+        return gathered[..., : self.kv_len], gathered[..., self.kv_len :]
+
+    # --- batch operations (generate(): beam search, assisted decoding, reuse) -----------------
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Sequence ``i`` becomes a copy of sequence ``beam_idx[i]`` (beam search), in place.
+
+        Rows are copied page by page into each sequence's own pages: pages are never shared.
+        """
+        if beam_idx.dim() != 1 or beam_idx.shape[0] != self.batch_size:
+            raise ValueError(f"beam_idx must be [batch={self.batch_size}], got {beam_idx.shape}")
+        used = self._pages_allocated
+        if used == 0:
+            return
+        index = beam_idx.to(self.device, torch.long)
+        mine = self.block_table[:, :used].long()  # [B, n]
+        for pool in self.pools:
+            pool[mine] = pool[mine[index]]  # the right side is gathered first: a safe copy
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` tokens of every sequence (negative: drop that many)."""
+        for layer, length in enumerate(self._lengths):
+            keep = length + max_length if max_length < 0 else min(length, max_length)
+            if keep < 0:
+                raise ValueError(f"cannot crop {-max_length} tokens from a {length}-token cache")
+            self._lengths[layer] = keep
+            self.seqlens[layer].fill_(keep)
+        if not self.static:
+            self._release_pages_beyond(math.ceil(max(self._lengths) / self.page_size))
+
+    def reset(self) -> None:
+        """Empty every sequence (static pages stay allocated; dynamic ones return to the pool)."""
+        self.crop(0)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _check_rows(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        for name, t, width in (("kv_c", kv_c, self.kv_len), ("k_pe", k_pe, self.rope_len)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3:
+                raise ValueError(f"{name} must be a [batch, S, {width}] tensor")
+            if t.shape[0] != self.batch_size or t.shape[2] != width:
+                raise ValueError(
+                    f"{name} must be [batch={self.batch_size}, S, {width}], got {tuple(t.shape)}"
+                )
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the cache on {self.device}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} is {t.dtype}, the cache stores {self.dtype}")
+        if kv_c.shape[1] != k_pe.shape[1]:
+            raise ValueError(f"kv_c has {kv_c.shape[1]} new tokens, k_pe {k_pe.shape[1]}")
+
+    def _allocate_pages(self, pages_per_seq: int) -> None:
+        """Give every sequence pages up to ``pages_per_seq`` (host allocator, one table update)."""
+        if pages_per_seq <= self._pages_allocated:
+            return
+        wanted = (pages_per_seq - self._pages_allocated) * self.batch_size
+        if wanted > len(self._free):
+            raise RuntimeError(
+                f"page pool exhausted: {wanted} more pages needed, {len(self._free)} free of "
+                f"{self.num_pages} (raise num_pages)"
+            )
+        for owned in self._owned:
+            while len(owned) < pages_per_seq:
+                owned.append(self._free.pop())
+        table = torch.tensor(
+            [owned[self._pages_allocated : pages_per_seq] for owned in self._owned],
+            dtype=torch.int32,
+        )
+        self.block_table[:, self._pages_allocated : pages_per_seq] = table.to(self.device)
+        self._pages_allocated = pages_per_seq
+
+    def _release_pages_beyond(self, pages_per_seq: int) -> None:
+        if pages_per_seq >= self._pages_allocated:
+            return
+        for owned in self._owned:
+            while len(owned) > pages_per_seq:
+                self._free.append(owned.pop())
+        self.block_table[:, pages_per_seq:] = -1
+        self._pages_allocated = pages_per_seq
