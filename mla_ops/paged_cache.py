@@ -149,10 +149,11 @@ class PagedLatentCache:
 
     # --- batch operations (generate(): beam search, assisted decoding, reuse) -----------------
 
-    def reorder(self, beam_idx: torch.Tensor) -> None:
+    def reorder(self, beam_idx: torch.Tensor, layer: int | None = None) -> None:
         """Sequence ``i`` becomes a copy of sequence ``beam_idx[i]`` (beam search), in place.
 
         Rows are copied page by page into each sequence's own pages: pages are never shared.
+        ``layer``: only that layer (all layers by default).
         """
         if beam_idx.dim() != 1 or beam_idx.shape[0] != self.batch_size:
             raise ValueError(f"beam_idx must be [batch={self.batch_size}], got {beam_idx.shape}")
@@ -161,17 +162,22 @@ class PagedLatentCache:
             return
         index = beam_idx.to(self.device, torch.long)
         mine = self.block_table[:, :used].long()  # [B, n]
-        for pool in self.pools:
+        for pool in self.pools if layer is None else [self.pools[layer]]:
             pool[mine] = pool[mine[index]]  # the right side is gathered first: a safe copy
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` tokens of every sequence (negative: drop that many)."""
-        for layer, length in enumerate(self._lengths):
+    def crop(self, max_length: int, layer: int | None = None) -> None:
+        """Keep the first ``max_length`` tokens of every sequence (negative: drop that many).
+
+        ``layer``: only that layer (all layers by default).
+        """
+        for index, length in enumerate(self._lengths):
+            if layer is not None and index != layer:
+                continue
             keep = length + max_length if max_length < 0 else min(length, max_length)
             if keep < 0:
                 raise ValueError(f"cannot crop {-max_length} tokens from a {length}-token cache")
-            self._lengths[layer] = keep
-            self.seqlens[layer].fill_(keep)
+            self._lengths[index] = keep
+            self.seqlens[index].fill_(keep)
         if not self.static:
             self._release_pages_beyond(math.ceil(max(self._lengths) / self.page_size))
 

@@ -1,0 +1,144 @@
+"""``MLACache``: a Hugging Face ``Cache`` that stores MLA latents in pages (transformers >= 5.15).
+
+In transformers >= 5.15 the MLA attention of DeepSeek-V2/V3 and the related families calls
+``past_key_values.update(kv_c, k_pe, layer_idx)`` with the normalised latent ``kv_c [B, 1, S, L]``
+and the roped ``k_pe [B, 1, S, R]``. ``MLACache`` keeps them as one ``[kv_c | k_pe]`` row per
+token per layer in a ``PagedLatentCache`` (the layout ``mla_decode`` reads) and returns the full
+latents, so an unrewritten model generates exactly as with ``DynamicCache``.
+
+    cache = MLACache(model.config, max_length=4096)
+    model.generate(input_ids, past_key_values=cache, max_new_tokens=...)
+
+Status (issue 5): greedy, sampling and beam search on transformers >= 5.15; the rewritten model
+reading it through ``mla_decode``, transformers <= 5.14 and batch-size changes are not done yet.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .paged_cache import PagedLatentCache
+
+
+class _SharedStore:
+    """The one ``PagedLatentCache`` behind all layers, created at the first update."""
+
+    def __init__(
+        self, num_layers: int, max_length: int, page_size: int, static: bool, num_pages: int | None
+    ) -> None:
+        self.num_layers, self.max_length = num_layers, max_length
+        self.page_size, self.static, self.num_pages = page_size, static, num_pages
+        self.cache: PagedLatentCache | None = None
+
+    def get(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> PagedLatentCache:
+        if self.cache is None:
+            self.cache = PagedLatentCache(
+                num_layers=self.num_layers,
+                batch_size=kv_c.shape[0],
+                kv_len=kv_c.shape[-1],
+                rope_len=k_pe.shape[-1],
+                max_length=self.max_length,
+                page_size=self.page_size,
+                num_pages=self.num_pages,
+                static=self.static,
+                dtype=kv_c.dtype,
+                device=kv_c.device,
+            )
+        return self.cache
+
+
+class MLACacheLayer(CacheLayerMixin):
+    """One layer's view of the shared paged store."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, store: _SharedStore, layer_idx: int) -> None:
+        super().__init__()
+        self.store, self.layer_idx = store, layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.store.get(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new latents (``[B, 1, S, L]``, ``[B, 1, S, R]``); return all of them."""
+        if key_states.dim() != 4 or key_states.shape[1] != 1 or value_states.shape[1] != 1:
+            raise ValueError(
+                "MLACache stores MLA latents [batch, 1, S, L] and [batch, 1, S, R]; got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}: this attention "
+                "caches per-head keys and values (transformers <= 5.14 or a non-MLA layer)"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        cache = self.store.cache
+        cache.append(self.layer_idx, key_states[:, 0], value_states[:, 0])
+        kv_c, k_pe = cache.rows(self.layer_idx)  # [B, T, L], [B, T, R]
+        return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        cache = self.store.cache
+        return 0 if cache is None else cache.get_seq_length(self.layer_idx)
+
+    def get_max_length(self) -> int:
+        return self.store.max_length
+
+    def reset(self) -> None:
+        if self.store.cache is not None:
+            self.store.cache.crop(0, layer=self.layer_idx)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store.cache is not None:
+            self.store.cache.reorder(beam_idx, layer=self.layer_idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: <= 0)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop takes a negative number of tokens to remove, got {tokens_to_remove}"
+            )
+        if tokens_to_remove < 0 and self.store.cache is not None:
+            self.store.cache.crop(tokens_to_remove, layer=self.layer_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("MLACache has a fixed batch size (batch_repeat_interleave)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("MLACache has a fixed batch size (batch_select_indices)")
+
+
+class MLACache(Cache):
+    """Paged latent cache for MLA models: ``generate(..., past_key_values=MLACache(config))``.
+
+    Args:
+        config: the model's config (``num_hidden_layers`` is read from it).
+        max_length: most tokens per sequence (prompt plus generated).
+        page_size: tokens per page.
+        static: allocate every page up front (fixed tensor addresses).
+        num_pages: pages per layer pool (default: enough for the batch at ``max_length``).
+    """
+
+    def __init__(
+        self,
+        config,
+        max_length: int,
+        page_size: int = 64,
+        static: bool = False,
+        num_pages: int | None = None,
+    ) -> None:
+        num_layers = config.get_text_config().num_hidden_layers
+        self.store = _SharedStore(num_layers, max_length, page_size, static, num_pages)
+        super().__init__(layers=[MLACacheLayer(self.store, i) for i in range(num_layers)])
+
+    @property
+    def paged(self) -> PagedLatentCache | None:
+        """The storage (``None`` before the first update)."""
+        return self.store.cache

@@ -1,0 +1,101 @@
+"""MLACache under Hugging Face generate(): same tokens as DynamicCache (transformers >= 5.15)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 15):
+    pytest.skip("MLACache needs the latent-caching attention of transformers >= 5.15",
+                allow_module_level=True)  # fmt: skip
+
+from transformers import (  # noqa: E402
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+)
+
+from mla_ops.hf_cache import MLACache  # noqa: E402
+
+TINY = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+    n_group=2, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+    experts_implementation="eager",  # the grouped-mm experts take no float64
+)  # fmt: skip
+FAMILIES = {
+    "deepseek_v3": lambda: DeepseekV3ForCausalLM(DeepseekV3Config(q_lora_rank=48, **TINY)),
+    "deepseek_v2": lambda: DeepseekV2ForCausalLM(DeepseekV2Config(q_lora_rank=None, **TINY)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    torch.manual_seed(0)
+    return FAMILIES[request.param]().double().eval()
+
+
+def left_padded_batch():
+    """Three prompts of lengths 7, 4 and 6, left padded with token 0."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, pad in ((1, 3), (2, 1)):
+        ids[row, :pad], mask[row, :pad] = 0, 0
+    return dict(input_ids=ids, attention_mask=mask, pad_token_id=0)
+
+
+def generate(model, cache=None, **kw):
+    torch.manual_seed(123)  # for sampling
+    return model.generate(**left_padded_batch(), past_key_values=cache, **kw)
+
+
+@pytest.mark.parametrize(("page_size", "static"), [(1, False), (4, False), (64, True), (3, True)])
+def test_greedy_tokens_identical(model, page_size: int, static: bool) -> None:
+    kw = dict(max_new_tokens=32, do_sample=False)
+    reference = generate(model, **kw)
+    cache = MLACache(model.config, max_length=64, page_size=page_size, static=static)
+    assert torch.equal(generate(model, cache, **kw), reference)
+    assert cache.get_seq_length() == 7 + 32 - 1  # the last token is never fed back
+    assert cache.paged.bytes_per_token_per_layer() == (32 + 16) * 8  # float64 latent row
+
+
+def test_sampling_identical(model) -> None:
+    kw = dict(max_new_tokens=24, do_sample=True, top_k=20, temperature=0.9)
+    assert torch.equal(generate(model, MLACache(model.config, max_length=64), **kw),
+                       generate(model, **kw))  # fmt: skip
+
+
+def test_beam_search_identical(model) -> None:
+    kw = dict(max_new_tokens=16, num_beams=3, do_sample=False)
+    assert torch.equal(generate(model, MLACache(model.config, max_length=64), **kw),
+                       generate(model, **kw))  # fmt: skip
+
+
+def test_prompt_lookup_decoding_crops(model) -> None:
+    """Candidate tokens are verified and rejected ones cropped from the cache."""
+    kw = dict(max_new_tokens=24, do_sample=False, prompt_lookup_num_tokens=3)
+    batch = left_padded_batch()
+    batch = {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}  # batch size 1
+    reference = model.generate(**batch, **kw)
+    cache = MLACache(model.config, max_length=64, page_size=4)
+    assert torch.equal(model.generate(**batch, past_key_values=cache, **kw), reference)
+
+
+def test_reset_between_generations(model) -> None:
+    kw = dict(max_new_tokens=20, do_sample=False)
+    cache = MLACache(model.config, max_length=64, page_size=8, static=True)
+    first = generate(model, cache, **kw)
+    cache.reset()
+    assert cache.get_seq_length() == 0
+    assert torch.equal(generate(model, cache, **kw), first)
+
+
+def test_expanded_states_are_rejected() -> None:
+    config = DeepseekV3Config(q_lora_rank=48, **TINY)
+    cache = MLACache(config, max_length=16)
+    with pytest.raises(ValueError, match="MLACache stores MLA latents"):
+        cache.update(torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 16), 0)
