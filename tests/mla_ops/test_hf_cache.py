@@ -99,3 +99,11 @@ def test_expanded_states_are_rejected() -> None:
     cache = MLACache(config, max_length=16)
     with pytest.raises(ValueError, match="MLACache stores MLA latents"):
         cache.update(torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 16), 0)
+
+
+def test_capacity_exceeded_is_a_clear_error(model) -> None:
+    cache = MLACache(model.config, max_length=10, static=True)
+    with pytest.raises(
+        ValueError, match=r"cache capacity exceeded: 10 \+ 1 tokens > max_length=10"
+    ):
+        generate(model, cache, max_new_tokens=8, do_sample=False)
