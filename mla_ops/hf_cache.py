@@ -16,9 +16,16 @@ reading it through ``mla_decode``, transformers <= 5.14 and batch-size changes a
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+import transformers
 
 from .paged_cache import PagedLatentCache
+
+if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 15):
+    raise ImportError(
+        f"mla_ops.hf_cache needs transformers >= 5.15 (found {transformers.__version__}): older "
+        "releases cache expanded per-head keys and values, not MLA latents"
+    )
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 class _SharedStore:
