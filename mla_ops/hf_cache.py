@@ -9,8 +9,10 @@ latents, so an unrewritten model generates exactly as with ``DynamicCache``.
     cache = MLACache(model.config, max_length=4096)
     model.generate(input_ids, past_key_values=cache, max_new_tokens=...)
 
-Status (issue 5): greedy, sampling and beam search on transformers >= 5.15; the rewritten model
-reading it through ``mla_decode``, transformers <= 5.14 and batch-size changes are not done yet.
+Status (issue 5): greedy, sampling, beam search and prompt-lookup decoding on transformers >= 5.15,
+eager. Not done yet: ``torch.compile`` (the length lives on the host, so dynamo guards on it and
+recompiles every decode step; it has to move to a device tensor as in ``StaticCache``), the
+rewritten model reading it through ``mla_decode``, transformers <= 5.14, batch-size changes.
 """
 
 from __future__ import annotations
