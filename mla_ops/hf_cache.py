@@ -22,12 +22,21 @@ import transformers
 
 from .paged_cache import PagedLatentCache
 
-if tuple(int(part) for part in transformers.__version__.split(".")[:2]) < (5, 15):
+# The first release whose MLA attention caches latents (kv_c, k_pe) instead of per-head K/V.
+MIN_TRANSFORMERS = (5, 15)
+
+
+def transformers_version() -> tuple[int, int]:
+    """``(major, minor)`` of the installed transformers."""
+    return tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+
+if transformers_version() < MIN_TRANSFORMERS:
     raise ImportError(
         f"mla_ops.hf_cache needs transformers >= 5.15 (found {transformers.__version__}): older "
         "releases cache expanded per-head keys and values, not MLA latents"
     )
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 (after the version check)
 
 
 class _SharedStore:
