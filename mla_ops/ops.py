@@ -2,11 +2,11 @@
 
 Two ops in namespace ``mla``:
 
-* ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits)
-  -> (out_partial [B, S_q, H, num_splits, L], lse_partial [B, S_q, H, num_splits])``:
-  split-KV attention of the absorbed query over the latent cache (MQA, one KV head). Scores are
-  ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale``; the value is ``kv_c``. Empty splits give
-  ``lse = -inf`` and ``out = 0``.
+* ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+  kv_scale=None, attn_mask=None) -> (out_partial [B, S_q, H, num_splits, L],
+  lse_partial [B, S_q, H, num_splits])``: split-KV attention of the absorbed query over the latent
+  cache (MQA, one KV head). Scores are ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale`` (plus a
+  float ``attn_mask``); the value is ``kv_c``. Empty splits give ``lse = -inf`` and ``out = 0``.
 * ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
   -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
   e.g. a prefix and a suffix).
@@ -73,6 +73,7 @@ def check_decode_args(
     softmax_scale: float,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> None:
     """Shape, dtype and device checks of ``mla::decode`` (metadata only: no host sync)."""
     _check_floating("q", q)
@@ -130,6 +131,26 @@ def check_decode_args(
             raise TypeError("a float8 cache takes a bfloat16, float16 or float32 q, not float64")
         if not (math.isfinite(kv_scale) and kv_scale > 0):
             _fail(f"kv_scale must be a positive finite float, got {kv_scale}")
+    if attn_mask is not None:
+        _check_mask(attn_mask, q)
+
+
+def _check_mask(attn_mask: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"attn_mask must be bool (True = visible) or floating (added to the scores), got "
+            f"{attn_mask.dtype}"
+        )
+    batch, s_q = q.shape[:2]
+    if attn_mask.dim() != 3 or tuple(attn_mask.shape[:2]) != (batch, s_q):
+        _fail(
+            f"attn_mask must be [batch={batch}, S_q={s_q}, T_m] (expand a broadcast mask first), "
+            f"got shape {tuple(attn_mask.shape)}"
+        )
+    if attn_mask.device != q.device:
+        _fail(f"attn_mask must be on {q.device} (q's device), got {attn_mask.device}")
 
 
 def check_decode_values(
@@ -184,10 +205,11 @@ def _check_decode(
     softmax_scale: float,
     num_splits: int,
     kv_scale: float | None,
+    attn_mask: torch.Tensor | None,
 ) -> None:
     """Every check of a real (non-fake) decode call: metadata always, values where allowed."""
     check_decode_args(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
     )
     if _values_checked_on(q.device):
         check_decode_values(q, kv_c, cache_seqlens, block_table)
@@ -207,11 +229,23 @@ def decode(
     causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode partials. See the module docstring for shapes."""
-    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale)
+    _check_decode(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
+    )
     return reference.decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
+        q,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        block_table,
+        softmax_scale,
+        causal,
+        num_splits,
+        kv_scale,
+        attn_mask,
     )
 
 
@@ -226,19 +260,40 @@ def _decode_cuda(
     causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale)
+    _check_decode(
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
+    )
     if q.dtype == torch.float64:
         # Triton passes float scalars (the scale) as fp32, which caps accuracy near 1e-8: float64
         # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.
         log.debug("mla::decode: float64 on CUDA runs the PyTorch implementation")
         return reference.decode(
-            q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
+            q,
+            kv_c,
+            k_pe,
+            cache_seqlens,
+            block_table,
+            softmax_scale,
+            causal,
+            num_splits,
+            kv_scale,
+            attn_mask,
         )
     from . import triton_kernels
 
     return triton_kernels.decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale
+        q,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        block_table,
+        softmax_scale,
+        causal,
+        num_splits,
+        kv_scale,
+        attn_mask,
     )
 
 
@@ -253,9 +308,10 @@ def _decode_fake(
     causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_decode_args(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale
+        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
     )
     batch, s_q, heads, _ = q.shape
     acc = reference.accumulation_dtype(q.dtype)
@@ -367,6 +423,7 @@ def mla_decode(
     causal: bool = True,
     num_splits: int | None = None,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a (paged) latent cache.
 
@@ -383,12 +440,23 @@ def mla_decode(
         kv_scale: dequantisation scale of a ``float8_e4m3fn`` cache (real = stored x kv_scale),
             one per tensor; required for fp8, rejected otherwise. In the pair form k_pe may stay
             in q's dtype (unscaled) while kv_c is fp8. See ``quantize_kv_fp8``.
+        attn_mask: optional ``[B, S_q, T_m]`` (or broadcastable to it, e.g. ``[B, 1, T_m]``) over
+            token positions ``0 .. T_m-1`` of each sequence, shared by all heads: bool (True =
+            visible, as in SDPA) or floating (added to the scaled scores, as Hugging Face's eager
+            masks are). Keys at ``T_m`` and past are hidden. It combines with ``cache_seqlens``
+            and ``causal``; it is how left padding is expressed. A row with no visible key gives
+            zeros and ``-inf``.
 
     Returns:
         ``out [B, S_q, H, L]`` in q's dtype and ``lse [B, S_q, H]`` (natural log; float32, or
         float64 for float64 inputs). A sequence with no cached tokens gives zeros and ``-inf``.
     """
     kv_c, k_pe = split_kv_cache(kv_cache, head_dim_v)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3 and q.dim() == 4:
+        try:
+            attn_mask = attn_mask.expand(q.shape[0], q.shape[1], attn_mask.shape[-1])
+        except RuntimeError:
+            pass  # the check below names the shapes
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     check_decode_args(
@@ -400,6 +468,7 @@ def mla_decode(
         softmax_scale,
         1 if num_splits is None else num_splits,
         None if kv_scale is None else float(kv_scale),
+        attn_mask,
     )
     if num_splits is None:
         capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
@@ -414,6 +483,7 @@ def mla_decode(
         causal,
         num_splits,
         None if kv_scale is None else float(kv_scale),
+        attn_mask,
     )
     out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
     return out, lse

@@ -36,6 +36,33 @@ def gather_rows(
     return cache[pages].reshape(batch, block_table.shape[1] * page_size, dim)
 
 
+# A float mask value at or below this hides its key. Hugging Face fills hidden positions with the
+# dtype's most negative value (-3.4e38 in float32/bfloat16): added to a score it would absorb the
+# score and the log(n) of a split's LSE, so such rows must be dropped, not averaged uniformly.
+MASK_HIDDEN = -1e30
+
+
+def mask_over_capacity(
+    attn_mask: torch.Tensor, capacity: int, acc: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_mask [B, S_q, T_m]`` as a visibility mask and an additive bias over ``capacity`` keys.
+
+    Keys at ``T_m`` and past, and float values at or below ``MASK_HIDDEN``, are hidden; a bool
+    mask has a zero bias.
+    """
+    batch, s_q, mask_len = attn_mask.shape
+    keep = min(mask_len, capacity)
+    visible = torch.zeros(batch, s_q, capacity, dtype=torch.bool, device=attn_mask.device)
+    bias = torch.zeros(batch, s_q, capacity, dtype=acc, device=attn_mask.device)
+    if attn_mask.dtype == torch.bool:
+        visible[..., :keep] = attn_mask[..., :keep]
+    else:
+        values = attn_mask[..., :keep].to(acc)
+        visible[..., :keep] = values > MASK_HIDDEN
+        bias[..., :keep] = torch.where(values > MASK_HIDDEN, values, 0.0)
+    return visible, bias
+
+
 def decode(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -46,10 +73,13 @@ def decode(
     causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``.
 
-    A float8 cache part is dequantised with ``kv_scale``.
+    A float8 cache part is dequantised with ``kv_scale``. ``attn_mask [B, S_q, T_m]``: bool
+    (True = visible) or floating (added to the scaled scores; at or below ``MASK_HIDDEN`` hidden); keys
+    at ``T_m`` and past are hidden.
     """
     batch, s_q, heads, _ = q.shape
     acc = accumulation_dtype(q.dtype)
@@ -72,6 +102,10 @@ def decode(
         # query i of S_q sees keys [0, seqlen - S_q + i]
         last_key = seqlen[:, None] - s_q + torch.arange(s_q, device=q.device)[None, :]  # [B, S_q]
         visible = visible & (token[None, None, :] <= last_key[:, :, None])  # [B, S_q, T]
+    if attn_mask is not None:
+        mask, bias = mask_over_capacity(attn_mask, capacity, acc)  # [B, S_q, T] each
+        visible = visible & mask
+        scores = scores + bias[:, :, None, :]
     start, end = split_bounds(seqlen, num_splits)  # [B, num_splits]
 
     out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
@@ -82,11 +116,14 @@ def decode(
         )  # [B, T]
         mask = (visible & in_split[:, None, :])[:, :, None, :]  # [B, S_q, 1, T]
         masked = scores.masked_fill(~mask, float("-inf"))
-        split_lse = torch.logsumexp(masked, dim=-1)  # [B, S_q, H]
-        finite = torch.isfinite(split_lse)
-        probs = torch.exp(masked - torch.where(finite, split_lse, 0.0)[..., None])
+        # Shift by the row maximum before exp: with a bias near -3.4e38 (finfo.min masks) the
+        # lse itself cannot hold log(n), so normalising by exp(scores - lse) would be wrong.
+        row_max = masked.amax(dim=-1, keepdim=True)  # [B, S_q, H, 1]
+        probs = torch.exp(masked - torch.where(torch.isneginf(row_max), 0.0, row_max))
+        total = probs.sum(dim=-1)  # [B, S_q, H]
+        probs = probs / torch.where(total == 0, 1.0, total)[..., None]
         out[:, :, :, split] = torch.einsum("bsht,btl->bshl", probs, rows[..., :kv_len])
-        lse[:, :, :, split] = split_lse
+        lse[:, :, :, split] = row_max.squeeze(-1) + torch.log(total)
     return out, lse
 
 

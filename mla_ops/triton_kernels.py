@@ -7,7 +7,9 @@ so nothing is padded to 1024; the same ``kv_c`` tile is the value for ``P @ V``.
 exp2 domain with the scale folded in. Partials are written in float32 with ``lse = m + log l``.
 KV tiles come either from per-token addresses (any page size, any strides) or, when a tile lies
 inside one page and rows are 16-byte aligned, from the copy engine (TMA) on Hopper. A float8 cache
-is converted to q's dtype per tile; its scale is folded into the scores and the output.
+is converted to q's dtype per tile; its scale is folded into the scores and the output. An optional
+``[B, S_q, T_m]`` mask (bool, or a float bias added to the scaled scores) is read per tile and
+shared by the heads of a query position.
 
 Safety: every cache read is masked to the split, the sequence length and the cache's capacity
 (TMA zero-fills outside the descriptor); a token inside ``cache_seqlens`` whose location is outside
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .planner import MIN_CHUNK, SPLIT_GRANULE, log, rows_per_program
-from .reference import accumulation_dtype
+from .reference import MASK_HIDDEN, accumulation_dtype
 
 
 @triton.jit
@@ -95,6 +97,7 @@ def _mla_decode_kernel(
     LSE_PART,  # [B, S_q, H, num_splits] float32
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L] (USE_TMA), else None
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R] (USE_TMA and HAS_PE)
+    MASK,  # [B, S_q, T_m] uint8 (bool) or float attention mask (HAS_MASK), else None
     stride_qb,
     stride_qs,
     stride_qh,
@@ -116,6 +119,10 @@ def _mla_decode_kernel(
     stride_ls,
     stride_lh,
     stride_lk,
+    stride_mb,
+    stride_ms,
+    stride_mt,
+    MASK_LEN,  # T_m: keys at and past it are hidden
     NUM_PAGES,
     MAX_PAGES,
     CAPACITY,  # tokens per sequence when not PAGED
@@ -139,6 +146,9 @@ def _mla_decode_kernel(
     HAS_PE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: a tile is rows of one page
+    HAS_MASK: tl.constexpr,
+    MASK_IS_BOOL: tl.constexpr,
+    MASK_HIDDEN: tl.constexpr,
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -246,6 +256,18 @@ def _mla_decode_kernel(
             n_bad += (tok_ok & ~ld).to(tl.int32)
         qk = qk * scale_log2
         visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
+        if HAS_MASK:
+            # One mask row per query position, shared by its heads (rows of one s hit the cache).
+            in_mask = row_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
+            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms + offs_n[None, :] * stride_mt
+            if MASK_IS_BOOL:
+                visible = visible & in_mask & (tl.load(m_ptr, mask=in_mask, other=0) != 0)
+            else:
+                bias = tl.load(m_ptr, mask=in_mask, other=float("-inf")).to(tl.float32)
+                # At or below MASK_HIDDEN a bias hides the key (finfo.min masks): adding it would
+                # overflow in log2 units and leave the split's lse unable to hold log(n).
+                visible = visible & (bias > MASK_HIDDEN)
+                qk += tl.where(bias > MASK_HIDDEN, bias, 0.0) * 1.4426950408889634
         qk = tl.where(visible, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -456,6 +478,7 @@ def decode(
     causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only."""
@@ -495,6 +518,12 @@ def decode(
     kv_desc = _descriptor(kv_c, cfg.block_n) if use_tma else None
     pe_desc = _descriptor(k_pe, cfg.block_n) if use_tma and rope_len else None
     LAST_LAUNCH["decode_path"] = "tma" if use_tma else "gather"
+    if attn_mask is None:
+        mask, mask_strides, mask_len = None, (0, 0, 0), 0
+    else:
+        # A bool tensor is read as bytes (same storage, no copy).
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        mask_strides, mask_len = mask.stride(), mask.shape[-1]
     grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
     with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
         LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
@@ -507,12 +536,15 @@ def decode(
             lse,
             kv_desc,
             pe_desc,
+            mask,
             *q.stride(),
             *kv_c.stride(),
             *k_pe.stride(),
             *bt_strides,
             *out.stride(),
             *lse.stride(),
+            *mask_strides,
+            mask_len,
             num_pages,
             max_pages,
             capacity,
@@ -536,6 +568,9 @@ def decode(
             HAS_PE=rope_len > 0,
             DOT_PRECISION=precision,
             USE_TMA=use_tma,
+            HAS_MASK=attn_mask is not None,
+            MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+            MASK_HIDDEN=MASK_HIDDEN,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

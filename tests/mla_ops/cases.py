@@ -39,6 +39,7 @@ class DecodeCase:
     causal: bool
     num_splits: int
     kv_scale: float | None = None  # set for a float8 cache
+    attn_mask: torch.Tensor | None = None  # [B, S_q, T_m] bool or float
 
     def op_args(self) -> tuple:
         return (
@@ -51,6 +52,7 @@ class DecodeCase:
             self.causal,
             self.num_splits,
             self.kv_scale,
+            self.attn_mask,
         )
 
     def reference(self, token_range=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +67,7 @@ class DecodeCase:
             self.causal,
             token_range=token_range,
             kv_scale=self.kv_scale,
+            attn_mask=self.attn_mask,
         )
 
     def describe(self) -> str:
@@ -74,7 +77,8 @@ class DecodeCase:
             f"B={b} S_q={s} H={h} L={self.head_dim_v} R={d - self.head_dim_v} page={page} "
             f"lens={self.cache_seqlens.tolist()} causal={self.causal} splits={self.num_splits} "
             f"pair={isinstance(self.kv_cache, tuple)} dtype={self.q.dtype} "
-            f"cache={self.kv_c.dtype}/{self.k_pe.dtype}"
+            f"cache={self.kv_c.dtype}/{self.k_pe.dtype} "
+            f"mask={None if self.attn_mask is None else self.attn_mask.dtype}"
         )
 
 
@@ -94,8 +98,14 @@ def make_case(
     max_len: int | None = None,
     lengths: list[int] | None = None,
     cache_dtype: torch.dtype | None = None,
+    mask: str | None = None,
 ) -> DecodeCase:
-    """A random decode problem; every argument left out is drawn from ``seed``."""
+    """A random decode problem; every argument left out is drawn from ``seed``.
+
+    mask: ``"bool"`` or ``"float"`` adds a random ``attn_mask`` (left padding plus random holes,
+    some rows fully hidden, a length that may fall short of or run past the cache); ``"random"``
+    picks one of None/bool/float.
+    """
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     batch = batch if batch is not None else (len(lengths) if lengths else rng.choice([1, 2, 3, 5]))
@@ -152,6 +162,9 @@ def make_case(
     else:
         kv_cache = cache
     q = torch.randn(batch, s_q, heads, row, generator=gen).to(dtype).to(device)
+    if mask == "random":
+        mask = rng.choice([None, "bool", "float"])
+    attn_mask = None if mask is None else _random_mask(rng, gen, batch, s_q, lengths, mask)
     return DecodeCase(
         q=q,
         kv_cache=kv_cache,
@@ -164,7 +177,32 @@ def make_case(
         causal=causal,
         num_splits=num_splits,
         kv_scale=kv_scale,
+        attn_mask=None if attn_mask is None else attn_mask.to(device),
     )
+
+
+def _random_mask(
+    rng: random.Random,
+    gen: torch.Generator,
+    batch: int,
+    s_q: int,
+    lengths: list[int],
+    kind: str,
+) -> torch.Tensor:
+    """``[B, S_q, T_m]`` mask: left padding per sequence, random holes, a fully hidden row."""
+    mask_len = max([*lengths, 1]) + rng.choice([-3, 0, 0, 4])
+    mask_len = max(mask_len, 1)
+    visible = torch.rand(batch, s_q, mask_len, generator=gen) > 0.2
+    for b in range(batch):
+        visible[b, :, : rng.randint(0, max(lengths[b] // 2, 0))] = False  # left padding
+    if rng.random() < 0.5:
+        visible[rng.randrange(batch), rng.randrange(s_q)] = False  # a row that sees nothing
+    if kind == "bool":
+        return visible
+    bias = torch.randn(batch, s_q, mask_len, generator=gen)
+    # Hugging Face's eager masks use the dtype's most negative value; -inf must work as well.
+    hidden = rng.choice([float("-inf"), torch.finfo(torch.float32).min])
+    return torch.where(visible, bias, hidden)
 
 
 def _poison_unused(

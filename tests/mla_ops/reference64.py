@@ -37,12 +37,15 @@ def mla_attention(
     causal: bool,
     token_range: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q [B, S_q, H, L+R]`` over the cache: ``out [B, S_q, H, L], lse [B, S_q, H]``.
 
     token_range: optional per-sequence ``(start [B], end [B])``: only those keys are attended
-    (one split's partial state). kv_scale dequantises a float8 cache. Everything is computed in
-    float64 on the CPU.
+    (one split's partial state). kv_scale dequantises a float8 cache. attn_mask ``[B, S_q, T_m]``:
+    bool keeps the True keys, floating is added to the scaled scores (at or below -1e30: dropped);
+    keys past T_m are dropped.
+    Everything is computed in float64 on the CPU.
     """
     batch, s_q, heads, _ = q.shape
     kv_len = kv_c.shape[-1]
@@ -68,6 +71,21 @@ def mla_attention(
                 continue
             k = keys[first : last + 1]  # [n, L+R]
             scores = q[b, i].cpu().double() @ k.T * softmax_scale  # [H, n]
+            if attn_mask is not None:
+                row = attn_mask[b, i].cpu()
+                for j in range(first, last + 1):
+                    if j >= row.shape[0]:
+                        hidden = True
+                    elif row.dtype == torch.bool:
+                        hidden = not row[j]
+                    else:
+                        hidden = float(row[j]) <= -1e30
+                    if hidden:
+                        scores[:, j - first] = float("-inf")
+                    elif row.dtype != torch.bool:
+                        scores[:, j - first] += float(row[j])
+                if torch.isneginf(scores).all():
+                    continue
             lse[b, i] = torch.logsumexp(scores, dim=-1)
             out[b, i] = torch.softmax(scores, dim=-1) @ k[:, :kv_len]
     return out, lse

@@ -26,6 +26,7 @@ def run_and_check(case, dtype, planner: bool = False) -> None:
         causal=case.causal,
         num_splits=None if planner else case.num_splits,
         kv_scale=case.kv_scale,
+        attn_mask=case.attn_mask,
     )
     b, s, h, _ = case.q.shape
     assert out.shape == (b, s, h, case.head_dim_v) and out.dtype == case.q.dtype
@@ -205,3 +206,41 @@ def test_fp8_cache_within_fp8_tolerance_of_bf16(device: str) -> None:
     rel = ((out_fp8.float() - out_bf16.float()).norm() / out_bf16.float().norm()).item()
     assert rel < 0.05, rel
     assert (lse_fp8 - lse_bf16).abs().max().item() < 0.1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("seed", range(8))
+def test_attention_mask(seed: int, kind: str, dtype: torch.dtype, device: str) -> None:
+    """Left padding, holes, fully hidden rows, masks shorter or longer than the cache."""
+    run_and_check(make_case(300 + seed, dtype=dtype, device=device, mask=kind), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_broadcast_mask_and_hugging_face_fill(device: str) -> None:
+    """A [B, 1, T] mask broadcasts over S_q; finfo.min (Hugging Face's fill) hides like -inf."""
+    case = make_case(
+        31, device=device, s_q=2, lengths=[40, 0, 17], causal=True, page_size=3, mask="bool"
+    )
+    visible = torch.rand(3, 1, 41, generator=torch.Generator().manual_seed(0)) > 0.3
+    visible[:, :, 30:] = True  # the newest keys stay visible, as in decoding
+    args = dict(
+        block_table=case.block_table,
+        head_dim_v=case.head_dim_v,
+        softmax_scale=case.softmax_scale,
+        causal=True,
+        num_splits=2,
+    )
+    fill = torch.finfo(torch.float32).min
+    float_mask = torch.where(visible, 0.0, fill).to(device)
+    out_b, lse_b = mla_ops.mla_decode(
+        case.q, case.kv_cache, case.cache_seqlens, attn_mask=visible.to(device), **args
+    )
+    out_f, lse_f = mla_ops.mla_decode(
+        case.q, case.kv_cache, case.cache_seqlens, attn_mask=float_mask, **args
+    )
+    case.attn_mask = visible.expand(3, 2, 41)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out_b, lse_b, ref_out, ref_lse, torch.float32, "bool [B, 1, T]")
+    assert_matches(out_f, lse_f, ref_out, ref_lse, torch.float32, "finfo.min [B, 1, T]")

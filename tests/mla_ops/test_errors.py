@@ -118,6 +118,23 @@ def test_good_call_works() -> None:
             TypeError,
             r"kv_cache must be bfloat16, float16, float32 or float64 \(or float8_e4m3fn",
         ),
+        (
+            {"attn_mask": torch.ones(B, S, 32, dtype=torch.int32)},
+            TypeError,
+            r"attn_mask must be bool \(True = visible\) or floating",
+        ),
+        (
+            {"attn_mask": torch.ones(B, 1, S, 32, dtype=torch.bool)},
+            ValueError,
+            r"attn_mask must be \[batch=2, S_q=1, T_m\]",
+        ),
+        (
+            {"attn_mask": torch.ones(3, S, 32, dtype=torch.bool)},
+            ValueError,
+            r"attn_mask must be \[batch=2, S_q=1, T_m\] \(expand a broadcast mask first\), got "
+            r"shape \(3, 1, 32\)",
+        ),
+        ({"attn_mask": "causal"}, TypeError, "attn_mask must be a torch.Tensor"),
     ],
 )
 def test_bad_input(overrides, error, pattern) -> None:

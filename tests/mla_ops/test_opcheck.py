@@ -22,6 +22,8 @@ def decode_samples(device: str):
         dict(page_size=16, s_q=3, dims=(64, 0), causal=False),
         dict(page_size=16, s_q=1, dims=(16, 16), dtype=torch.bfloat16, lengths=[0, 40]),
         dict(page_size=None, s_q=1, dims=(16, 16), dtype=torch.float16, num_splits=3),
+        dict(page_size=3, s_q=2, dims=(16, 16), mask="bool"),
+        dict(page_size=None, s_q=1, dims=(16, 16), mask="float", lengths=[3, 30]),
     ):
         yield make_case(21, device=device, max_len=40, **kw).op_args()
 

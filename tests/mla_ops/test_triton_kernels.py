@@ -86,6 +86,16 @@ def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("seed", range(6))
+def test_attention_mask(kernels, seed: int, kind: str, dtype: torch.dtype) -> None:
+    case = make_case(400 + seed, dtype=dtype, device=DEVICE, mask=kind, max_len=300)
+    out, lse = run_kernels(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 64, None])
 @pytest.mark.parametrize("s_q", [1, 3, 8])
 def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None) -> None:
