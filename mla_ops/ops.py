@@ -23,6 +23,7 @@ location is out of range.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Sequence
@@ -453,10 +454,8 @@ def mla_decode(
     """
     kv_c, k_pe = split_kv_cache(kv_cache, head_dim_v)
     if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3 and q.dim() == 4:
-        try:
+        with contextlib.suppress(RuntimeError):  # not broadcastable: the check names the shapes
             attn_mask = attn_mask.expand(q.shape[0], q.shape[1], attn_mask.shape[-1])
-        except RuntimeError:
-            pass  # the check below names the shapes
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     check_decode_args(

@@ -78,8 +78,8 @@ def decode(
     """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``.
 
     A float8 cache part is dequantised with ``kv_scale``. ``attn_mask [B, S_q, T_m]``: bool
-    (True = visible) or floating (added to the scaled scores; at or below ``MASK_HIDDEN`` hidden); keys
-    at ``T_m`` and past are hidden.
+    (True = visible) or floating (added to the scaled scores; at or below ``MASK_HIDDEN``:
+    hidden); keys at ``T_m`` and past are hidden.
     """
     batch, s_q, heads, _ = q.shape
     acc = accumulation_dtype(q.dtype)

@@ -259,7 +259,8 @@ def _mla_decode_kernel(
         if HAS_MASK:
             # One mask row per query position, shared by its heads (rows of one s hit the cache).
             in_mask = row_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
-            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms + offs_n[None, :] * stride_mt
+            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms
+            m_ptr += offs_n[None, :] * stride_mt
             if MASK_IS_BOOL:
                 visible = visible & in_mask & (tl.load(m_ptr, mask=in_mask, other=0) != 0)
             else:
