@@ -1,4 +1,23 @@
-"""fx_passes: graph rewrites of Hugging Face MLA attention into the absorbed, cache-compressed form.
+"""fx_passes: rewrite MLA attention into the absorbed, cache-compressed form that calls mla_ops.
 
-Not implemented yet (issue 4). Importing this package does nothing.
+* ``torch.compile(model, backend="mla")``: the dynamo backend (registered through the
+  ``torch_dynamo_backends`` entry point; ``backend="mla_eager"`` runs the rewritten graph without
+  Inductor).
+* ``absorb_mla(gm)``: the same rewrite on any ``torch.fx.GraphModule``; returns an
+  ``AbsorbReport``.
+* ``torch._dynamo.utils.counters["mla"]["absorbed_sites"]`` counts rewritten sites; the
+  ``fx_passes`` logger reports every site found, rewritten or skipped (INFO).
 """
+
+from .absorb import DEFAULT_MAX_Q_LEN, AbsorbReport, SiteReport, absorb_mla, absorbed_mla_attention
+from .backend import mla, mla_eager
+
+__all__ = [
+    "DEFAULT_MAX_Q_LEN",
+    "AbsorbReport",
+    "SiteReport",
+    "absorb_mla",
+    "absorbed_mla_attention",
+    "mla",
+    "mla_eager",
+]

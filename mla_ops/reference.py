@@ -106,6 +106,8 @@ def decode(
         mask, bias = mask_over_capacity(attn_mask, capacity, acc)  # [B, S_q, T] each
         visible = visible & mask
         scores = scores + bias[:, :, None, :]
+    # Keys no query sees (left padding) may hold NaN: keep them out of P @ V, as the kernel does.
+    values = rows[..., :kv_len].masked_fill(~visible.any(dim=1)[..., None], 0.0)  # [B, T, L]
     start, end = split_bounds(seqlen, num_splits)  # [B, num_splits]
 
     out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
@@ -122,7 +124,7 @@ def decode(
         probs = torch.exp(masked - torch.where(torch.isneginf(row_max), 0.0, row_max))
         total = probs.sum(dim=-1)  # [B, S_q, H]
         probs = probs / torch.where(total == 0, 1.0, total)[..., None]
-        out[:, :, :, split] = torch.einsum("bsht,btl->bshl", probs, rows[..., :kv_len])
+        out[:, :, :, split] = torch.einsum("bsht,btl->bshl", probs, values)
         lse[:, :, :, split] = row_max.squeeze(-1) + torch.log(total)
     return out, lse
 

@@ -269,6 +269,10 @@ def _mla_decode_kernel(
                 # overflow in log2 units and leave the split's lse unable to hold log(n).
                 visible = visible & (bias > MASK_HIDDEN)
                 qk += tl.where(bias > MASK_HIDDEN, bias, 0.0) * 1.4426950408889634
+            # A key hidden from every row here (left padding) may hold NaN (Hugging Face's eager
+            # float64 prefill writes NaN at pad positions): zero it so 0 x NaN stays out of P @ V.
+            seen = tl.max(visible.to(tl.int32), 0) > 0  # [BLOCK_N]
+            kv = tl.where(seen[:, None], kv, 0.0)
         qk = tl.where(visible, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))

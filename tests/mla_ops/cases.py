@@ -243,3 +243,21 @@ def assert_matches(
     torch.testing.assert_close(
         lse64[~empty], ref_lse[~empty], atol=lse_tol, rtol=lse_tol, msg=lambda m: f"{context}\n{m}"
     )
+
+
+def poison_hidden_keys(case: DecodeCase) -> None:
+    """Write NaN into every cached key that ``case.attn_mask`` hides from all queries (dense cache).
+
+    Hugging Face's float64 eager prefill leaves NaN at left-pad positions; they must not leak.
+    """
+    assert case.block_table is None and case.attn_mask is not None
+    hidden = (
+        ~case.attn_mask.bool().any(dim=1)
+        if case.attn_mask.dtype == torch.bool
+        else (case.attn_mask <= -1e30).all(dim=1)
+    )  # [B, T_m]
+    for b, length in enumerate(case.cache_seqlens.tolist()):
+        for t in range(min(length, hidden.shape[1])):
+            if hidden[b, t]:
+                case.kv_c[b, t] = float("nan")
+                case.k_pe[b, t] = float("nan")

@@ -69,23 +69,26 @@ def mla_attention(
                 last = min(last, int(token_range[1][b]) - 1)
             if last < first:
                 continue
-            k = keys[first : last + 1]  # [n, L+R]
-            scores = q[b, i].cpu().double() @ k.T * softmax_scale  # [H, n]
+            keep = list(range(first, last + 1))
+            bias = torch.zeros(len(keep), dtype=torch.float64)
             if attn_mask is not None:
                 row = attn_mask[b, i].cpu()
-                for j in range(first, last + 1):
+                kept, values = [], []
+                for j in keep:
                     if j >= row.shape[0]:
-                        hidden = True
-                    elif row.dtype == torch.bool:
-                        hidden = not row[j]
-                    else:
-                        hidden = float(row[j]) <= -1e30
-                    if hidden:
-                        scores[:, j - first] = float("-inf")
-                    elif row.dtype != torch.bool:
-                        scores[:, j - first] += float(row[j])
-                if torch.isneginf(scores).all():
+                        continue
+                    if row.dtype == torch.bool:
+                        if row[j]:
+                            kept.append(j)
+                            values.append(0.0)
+                    elif float(row[j]) > -1e30:
+                        kept.append(j)
+                        values.append(float(row[j]))
+                keep, bias = kept, torch.tensor(values, dtype=torch.float64)
+                if not keep:
                     continue
+            k = keys[keep]  # [n, L+R]: only the visible keys
+            scores = q[b, i].cpu().double() @ k.T * softmax_scale + bias  # [H, n]
             lse[b, i] = torch.logsumexp(scores, dim=-1)
             out[b, i] = torch.softmax(scores, dim=-1) @ k[:, :kv_len]
     return out, lse

@@ -8,7 +8,7 @@ import torch
 import mla_ops
 from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds
 from tests.conftest import HAS_CUDA, requires_cuda
-from tests.mla_ops.cases import assert_matches, make_case
+from tests.mla_ops.cases import assert_matches, make_case, poison_hidden_keys
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -244,3 +244,13 @@ def test_broadcast_mask_and_hugging_face_fill(device: str) -> None:
     ref_out, ref_lse = case.reference()
     assert_matches(out_b, lse_b, ref_out, ref_lse, torch.float32, "bool [B, 1, T]")
     assert_matches(out_f, lse_f, ref_out, ref_lse, torch.float32, "finfo.min [B, 1, T]")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_hidden_keys_holding_nan_do_not_leak(kind: str, device: str) -> None:
+    case = make_case(
+        51, device=device, s_q=1, page_size=None, pair=False, mask=kind, lengths=[30, 64, 9]
+    )
+    poison_hidden_keys(case)
+    run_and_check(case, torch.float32)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import HAS_CUDA, triton_available
-from tests.mla_ops.cases import assert_matches, make_case
+from tests.mla_ops.cases import assert_matches, make_case, poison_hidden_keys
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -185,3 +185,14 @@ def test_fp8_cache(path_kernels, seed: int, dtype: torch.dtype) -> None:
     assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
+    case = make_case(
+        52, device=DEVICE, s_q=1, page_size=None, pair=False, mask=kind, lengths=[30, 64, 9]
+    )
+    poison_hidden_keys(case)
+    out, lse = run_kernels(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32, case.describe())

@@ -1,0 +1,195 @@
+"""``absorb_mla``: rewrite MLA attention in an FX graph into the absorbed, cache-compressed form.
+
+For each site found by ``mla_pattern.match_site`` (decode-sized query, see ``max_q_len``) the
+attention output is replaced by ``absorbed_mla_attention(query, latent, k_rot, kv_b_weight, ...)``:
+
+    q_lat = q_nope @ W_UK                 # [B, S, H, L]   (W_UK, W_UV: views of the live weight)
+    o_lat = MQA over [kv_c | k_pe]        # mla_ops.mla_decode: the latent is read once, never
+                                          # expanded to per-head K/V
+    out   = o_lat @ W_UV^T                # [B, H, S, V], what the attention returned before
+
+and the ``kv_b_proj`` expansion, the key buffer and the attention become dead and are removed.
+
+Cost rule (prefill vs decode): per query token the absorbed form costs ``2 H T (2L + R)`` FLOPs
+over the cache, the original ``2 H T (P + R + V)`` plus a one-off ``2 T L H (P + V)`` expansion
+shared by all S query tokens. Decode (small S) is dominated by the expansion and by reading
+``H (P + V)`` values per cached token instead of ``L + R``: the absorbed form wins by an order of
+magnitude. Prefill amortises the expansion and its matmuls are dense, so the original stays. The
+rule: rewrite when ``S <= max_q_len`` (default 8, the multi-token-prediction range our decode
+kernel serves); sites with a longer or symbolic S are left as they are, reported with the reason.
+
+Observability: ``torch._dynamo.utils.counters["mla"]["absorbed_sites"]`` (and ``skipped_sites``)
+count sites; the ``fx_passes`` logger (standard ``logging``, silent by default) reports each site
+found, rewritten or skipped with the reason at INFO; ``absorb_mla`` returns an ``AbsorbReport``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch._dynamo.utils import counters
+from torch.fx import GraphModule, Node
+
+from mla_ops import mla_decode
+
+from .graph_ops import meta_value
+from .mla_pattern import MLASite, NotMLA, SkipSite, attention_candidates, match_site
+
+log = logging.getLogger("fx_passes")
+
+DEFAULT_MAX_Q_LEN = 8
+
+
+def absorbed_mla_attention(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+) -> torch.Tensor:
+    """MLA attention in the absorbed form; the drop-in replacement of a matched site.
+
+    Args:
+        query: ``[B, H, S, P+R]`` (``q_nope`` then roped ``q_pe``).
+        latent: ``[B, 1, T, L]`` or ``[B, T, L]``, the normalized ``kv_c`` of every cached token.
+        k_rot: ``[B, 1, T, R]`` roped shared key.
+        kv_b_weight: ``kv_b_proj.weight`` ``[H*(P+V), L]``; W_UK and W_UV are views of it, so a
+            weight update is always seen.
+        attn_mask: ``[B|1, 1, S|1, T]`` bool (True = visible) or additive float, or None.
+
+    Returns:
+        ``[B, H, S, V]``, the attention output the original computed.
+    """
+    batch, heads, q_len, _ = query.shape
+    kv_lora_rank = kv_b_weight.shape[-1]
+    w_kv = kv_b_weight.view(heads, nope_dim + v_dim, kv_lora_rank)
+    w_uk, w_uv = w_kv[:, :nope_dim], w_kv[:, nope_dim:]  # [H, P, L], [H, V, L]
+    q_lat = torch.einsum("bhsp,hpl->bshl", query[..., :nope_dim], w_uk)  # [B, S, H, L]
+    q_abs = torch.cat([q_lat, query[..., nope_dim:].transpose(1, 2)], dim=-1)  # [B, S, H, L+R]
+    kv_c = latent[:, 0] if latent.dim() == 4 else latent  # [B, T, L]
+    k_pe = k_rot[:, 0]  # [B, T, R]
+    cache_len = kv_c.shape[1]
+    cache_seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=query.device)
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask[:, 0].expand(batch, q_len, cache_len)  # [B, S, T]
+    out_lat, _ = mla_decode(
+        q_abs,
+        (kv_c, k_pe),
+        cache_seqlens,
+        head_dim_v=kv_lora_rank,
+        softmax_scale=softmax_scale,
+        causal=False,  # the original's visibility is all in attn_mask
+        attn_mask=mask,
+    )  # [B, S, H, L]
+    return torch.einsum("bshl,hvl->bhsv", out_lat, w_uv)
+
+
+@dataclass
+class SiteReport:
+    """What ``absorb_mla`` did at one MLA site."""
+
+    node: str
+    status: str  # "rewritten" or "skipped"
+    reason: str  # why it was skipped, or the shapes it was rewritten with
+
+
+@dataclass
+class AbsorbReport:
+    """Every MLA site ``absorb_mla`` found, in graph order."""
+
+    sites: list[SiteReport] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> int:
+        return sum(s.status == "rewritten" for s in self.sites)
+
+    @property
+    def skipped(self) -> list[SiteReport]:
+        return [s for s in self.sites if s.status == "skipped"]
+
+    def __str__(self) -> str:
+        lines = [f"absorb_mla: {self.rewritten} of {len(self.sites)} MLA sites rewritten"]
+        lines += [f"  {s.status} {s.node}: {s.reason}" for s in self.sites]
+        return "\n".join(lines)
+
+
+def absorb_mla(gm: GraphModule, *, max_q_len: int = DEFAULT_MAX_Q_LEN) -> AbsorbReport:
+    """Rewrite every MLA attention site of ``gm`` (in place) into the absorbed form.
+
+    Works on a dynamo graph (torch-level calls) or an exported program's module (ATen calls).
+    Sites whose query length is above ``max_q_len`` or symbolic (prefill) are kept. Returns an
+    ``AbsorbReport``; see the module docstring for counters and logging.
+    """
+    report = AbsorbReport()
+    for candidate in attention_candidates(gm.graph):
+        if candidate.graph is not gm.graph or candidate not in gm.graph.nodes:
+            continue  # removed by an earlier rewrite
+        try:
+            site = match_site(candidate)
+        except NotMLA as why:
+            log.debug("fx_passes: %s '%s' is not MLA: %s", candidate.op, candidate.name, why)
+            continue
+        except SkipSite as why:
+            _skip(report, candidate.name, str(why))
+            continue
+        log.info("fx_passes: found MLA site, %s", site.describe())
+        if not isinstance(site.q_len, int):
+            _skip(report, site.attention.name, f"symbolic query length {site.q_len}: kept")
+            continue
+        if site.q_len > max_q_len:
+            _skip(
+                report,
+                site.attention.name,
+                f"prefill (S_q={site.q_len} > max_q_len={max_q_len}): un-absorbed form kept",
+            )
+            continue
+        _rewrite(gm, site)
+        counters["mla"]["absorbed_sites"] += 1
+        report.sites.append(SiteReport(site.attention.name, "rewritten", site.describe()))
+        log.info("fx_passes: rewrote %s", site.describe())
+    if report.rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return report
+
+
+def _skip(report: AbsorbReport, name: str, reason: str) -> None:
+    counters["mla"]["skipped_sites"] += 1
+    report.sites.append(SiteReport(name, "skipped", reason))
+    log.info("fx_passes: skipped MLA site '%s': %s", name, reason)
+
+
+def _rewrite(gm: GraphModule, site: MLASite) -> None:
+    graph = gm.graph
+    args = (site.query, site.latent, site.k_rot, site.weight, site.attn_mask)
+    kwargs = dict(softmax_scale=site.softmax_scale, nope_dim=site.nope_dim, v_dim=site.v_dim)
+    with graph.inserting_before(site.attention):
+        new = graph.call_function(absorbed_mla_attention, args=args, kwargs=kwargs)
+    _record_fake_value(new, args, kwargs)
+    site.attention.replace_all_uses_with(new)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in sorted(site.internal, key=order.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _record_fake_value(new: Node, args: tuple, kwargs: dict) -> None:
+    """Give the new node the fake value later passes read (``val`` or ``example_value``)."""
+    values = [meta_value(a) if isinstance(a, Node) else a for a in args]
+    if any(v is None for v in values[:4]):
+        return
+    fake_mode = torch._guards.detect_fake_mode([v for v in values if v is not None])
+    if fake_mode is None:
+        return
+    key = "val" if "val" in args[0].meta else "example_value"
+    try:
+        with fake_mode:
+            new.meta[key] = absorbed_mla_attention(*values, **kwargs)
+    except Exception as error:  # metadata only: the rewrite stands without it
+        log.debug("fx_passes: no fake value for %s: %s", new.name, error)

@@ -1,0 +1,105 @@
+"""Tiny random Hugging Face MLA models of every tested family (no download, < 1 s to build)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+# Shared MLA shapes: H=4 heads (one family uses 3: odd head counts), L=32, R=16, P=16, V=16.
+MLA = dict(
+    vocab_size=128,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=16,
+)
+MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+YARN = {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+        "original_max_position_embeddings": 64, "rope_theta": 10000.0, "beta_fast": 32.0,
+        "beta_slow": 1.0}  # fmt: skip
+MAX_POSITIONS = 256  # = YARN factor x original_max_position_embeddings
+
+
+def _config(family: str, q_lora_rank: int | None, yarn: bool):
+    rope = {"rope_parameters": YARN} if yarn else {}
+    rope["max_position_embeddings"] = MAX_POSITIONS
+    if family == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2,
+            first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=q_lora_rank,
+        )  # fmt: skip
+    if family == "deepseek_v3":
+        return transformers.DeepseekV3Config(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2,
+            first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=q_lora_rank,
+        )  # fmt: skip
+    if family == "minicpm3":
+        return transformers.MiniCPM3Config(
+            **{**MLA, "num_attention_heads": 3, "num_key_value_heads": 3, "hidden_size": 48},
+            **rope,
+            intermediate_size=128, num_hidden_layers=2, q_lora_rank=q_lora_rank,
+        )  # fmt: skip
+    if family == "glm4_moe_lite":
+        return transformers.Glm4MoeLiteConfig(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2, n_group=1,
+            topk_group=1, q_lora_rank=q_lora_rank,
+        )  # fmt: skip
+    if family == "longcat_flash":
+        return transformers.LongcatFlashConfig(
+            **MLA, **rope, head_dim=16, num_layers=1, ffn_hidden_size=128,
+            expert_ffn_hidden_size=32, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
+            q_lora_rank=q_lora_rank,
+        )  # fmt: skip
+    if family == "mistral4":
+        if yarn:  # Mistral 4 also scales the query by position (Llama 4 style)
+            rope = {**rope, "rope_parameters": {**YARN, "llama_4_scaling_beta": 0.1}}
+        return transformers.Mistral4Config(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2, n_group=1,
+            topk_group=1, q_lora_rank=q_lora_rank, pad_token_id=0,
+        )  # fmt: skip
+    if family == "kimi_linear":
+        return transformers.KimiLinearConfig(
+            **MLA, **MOE, intermediate_size=128, num_hidden_layers=2, num_local_experts=8,
+            q_lora_rank=q_lora_rank, layer_types=["full_attention", "full_attention"],
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+    raise ValueError(f"unknown family {family!r}")
+
+
+FAMILIES = [
+    "deepseek_v2",
+    "deepseek_v3",
+    "minicpm3",
+    "glm4_moe_lite",
+    "longcat_flash",
+    "mistral4",
+    "kimi_linear",  # no RoPE on its MLA layers
+]
+
+
+def tiny_model(
+    family: str,
+    *,
+    attn: str = "sdpa",
+    q_lora_rank: int | None = 24,
+    yarn: bool = False,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+):
+    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode."""
+    config = _config(family, q_lora_rank, yarn)
+    torch.manual_seed(seed)
+    model_class = getattr(
+        transformers, type(config).__name__.replace("Config", "ForCausalLM"), None
+    )
+    if model_class is None:
+        raise ValueError(f"no *ForCausalLM class for {type(config).__name__}")
+    model = model_class._from_config(
+        config, dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm"
+    )
+    return model.eval()
