@@ -109,7 +109,7 @@ def named_arg(node: Node, name: str, default: Any = None) -> Any:
 
 
 def meta_value(node: Any) -> Any:
-    """The fake value recorded for ``node`` (``val`` in export graphs, ``example_value`` in dynamo)."""
+    """The fake value of ``node`` (``val`` in export graphs, ``example_value`` in dynamo)."""
     if not isinstance(node, Node):
         return None
     if "val" in node.meta:
