@@ -54,6 +54,8 @@ _KINDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "to": ((aten.to.dtype, aten._to_copy.default), ("to", "type")),
     "dropout": ((F.dropout, torch.dropout, aten.dropout.default), ()),
     "contiguous": ((aten.contiguous.default, aten.clone.default), ("contiguous",)),
+    # export's runtime dtype/device assertions: they read a value but compute nothing
+    "assert_meta": ((aten._assert_tensor_metadata.default,), ()),
 }
 
 # Positional parameter names, for reading arguments given either way.

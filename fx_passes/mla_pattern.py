@@ -74,7 +74,7 @@ def attention_candidates(graph: torch.fx.Graph) -> list[Node]:
 
 
 def _single_user(node: Node) -> Node | None:
-    users = list(node.users)
+    users = [u for u in node.users if kind(u) != "assert_meta"]
     return users[0] if len(users) == 1 else None
 
 
@@ -305,6 +305,8 @@ def match_site(candidate: Node) -> MLASite:
         form=form,
         internal=list(dict.fromkeys(internal)),
     )
+    # export's metadata assertions on intermediates die with them
+    site.internal += [u for n in site.internal for u in n.users if kind(u) == "assert_meta"]
     _check_private(site)
     return site
 
@@ -317,8 +319,11 @@ def _check_private(site: MLASite) -> None:
             continue
         for user in node.users:
             if user not in inside:
-                what = "kv_b_proj output" if kind(node) == "linear" else f"'{node.name}'"
-                raise SkipSite(f"{what} also used elsewhere (by '{user.name}')")
+                if kind(node) in ("softmax", "matmul", "mul", "div", "add", "to", "dropout"):
+                    what = "attention weights"
+                else:
+                    what = "kv_b_proj output"
+                raise SkipSite(f"{what} also used elsewhere ('{node.name}' by '{user.name}')")
 
 
 __all__ = ["MLASite", "NotMLA", "SkipSite", "attention_candidates", "match_site"]
