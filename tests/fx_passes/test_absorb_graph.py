@@ -22,9 +22,9 @@ B, H, S, T, L, R, P, V, D = 2, 3, 1, 9, 32, 16, 16, 8, 40
 class NaiveMLA(torch.nn.Module):
     """The expanded-K/V MLA attention over a latent cache, in several spellings."""
 
-    def __init__(self, key_form="cat", attention="sdpa", reuse_kv=False, bias=False, rope=True):
+    def __init__(self, key_form="cat", attention="sdpa", reuse_kv=False, bias=False):
         super().__init__()
-        self.key_form, self.attention, self.reuse_kv, self.rope = key_form, attention, reuse_kv, rope
+        self.key_form, self.attention, self.reuse_kv = key_form, attention, reuse_kv
         self.kv_b_proj = torch.nn.Linear(L, H * (P + V), bias=bias)
         self.o_proj = torch.nn.Linear(H * V, D, bias=False)
 
