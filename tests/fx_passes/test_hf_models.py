@@ -1,0 +1,186 @@
+"""The rewrite on tiny random Hugging Face MLA models of every tested family (transformers >= 5.15).
+
+Float64 truth is the original model with ``attn_implementation="sdpa"``: Hugging Face's eager
+attention runs its softmax in float32 even for float64 models (and, with left padding, its
+float64 eager prefill writes NaN at pad positions), so an eager original is not a float64
+reference. The rewritten eager models are compared with it at float32-softmax tolerance as well.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.fx_passes.tiny_models import FAMILIES, FULLGRAPH, tiny_model
+
+transformers = pytest.importorskip("transformers")
+if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 15):
+    pytest.skip("latent-cache attention needs transformers >= 5.15", allow_module_level=True)
+
+
+def left_padded_batch(lengths: tuple[int, ...], seed: int = 0, vocab: int = 128):
+    """``input_ids [B, max_len]`` and ``attention_mask`` with left padding (pad id 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, width - n :] = 1
+    return ids, mask
+
+
+def rewritten(model, backend: str = "mla_eager"):
+    """The model with its forward compiled by ``backend``; fullgraph wherever the original
+    compiles so (the rewrite adds no graph break)."""
+    torch._dynamo.reset()
+    counters.clear()
+    fullgraph = FULLGRAPH[model.config.model_type]
+    model.forward = torch.compile(model.forward, backend=backend, fullgraph=fullgraph)
+    return model
+
+
+def truth_model(model):
+    """The same weights with SDPA attention: the float64 reference."""
+    config = copy.deepcopy(model.config)
+    exact = type(model)._from_config(
+        config, dtype=torch.float64, attn_implementation="sdpa", experts_implementation="batched_mm"
+    )
+    exact.load_state_dict(model.state_dict())
+    return exact.eval()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def decode_step_logits(model, exact, ids, mask):
+    """Prefill with ``exact``, then one decode step through ``exact`` and the rewritten ``model``."""
+    with torch.no_grad():
+        out = exact(ids, attention_mask=mask, use_cache=True)
+        next_ids = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        cache_copy = copy.deepcopy(out.past_key_values)
+        want = exact(next_ids, attention_mask=mask, past_key_values=out.past_key_values).logits
+        original = model(next_ids, attention_mask=mask, past_key_values=copy.deepcopy(cache_copy))
+        got = rewritten(model)(next_ids, attention_mask=mask, past_key_values=cache_copy).logits
+    return got, want, original.logits
+
+
+def attention_layers(model) -> int:
+    return sum(1 for name, _ in model.named_modules() if name.endswith("kv_b_proj"))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decode_step_float64(family: str, attn: str) -> None:
+    model = tiny_model(family, attn=attn, yarn=family != "kimi_linear")
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((4, 11, 7))
+    got, want, original = decode_step_logits(model, exact, ids, mask)
+    assert counters["mla"]["absorbed_sites"] == attention_layers(model)
+    assert relative_error(got, want) <= 1e-10
+    if attn == "eager":  # the original eager model is only float32-softmax accurate
+        assert relative_error(original, want) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("family", "q_lora_rank", "yarn"),
+    [
+        ("deepseek_v3", None, True),  # interleaved RoPE, YaRN mscale in the softmax scale
+        ("deepseek_v3", 24, False),
+        ("deepseek_v2", None, False),  # complex (freqs_cis) RoPE
+        ("deepseek_v2", 24, True),
+    ],
+)
+def test_decode_step_variants(family: str, q_lora_rank: int | None, yarn: bool) -> None:
+    model = tiny_model(family, q_lora_rank=q_lora_rank, yarn=yarn)
+    ids, mask = left_padded_batch((9, 3))
+    got, want, _ = decode_step_logits(model, truth_model(model), ids, mask)
+    assert counters["mla"]["absorbed_sites"] == attention_layers(model)
+    assert relative_error(got, want) <= 1e-10
+
+
+def test_decode_step_float32() -> None:
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((5, 8))
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        next_ids = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        # float64 truth from the float32 prefill's cache, so only the decode step differs
+        cache64 = copy.deepcopy(out.past_key_values)
+        for layer in cache64.layers:
+            layer.keys, layer.values = layer.keys.double(), layer.values.double()
+        want = exact(next_ids, attention_mask=mask, past_key_values=cache64).logits
+        got = rewritten(model)(next_ids, attention_mask=mask, past_key_values=out.past_key_values)
+    assert relative_error(got.logits.double(), want) <= 1e-4
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_float64(family: str, attn: str) -> None:
+    """32 new tokens, left-padded batch of different prompt lengths, identical to the original.
+
+    SDPA: the 11-token prompt is prefill (S_q > 8, kept un-absorbed); every decode step is
+    rewritten. Eager: prompts stay <= 8 tokens so the prefill is rewritten too (the original
+    eager float64 prefill would write NaN at the pad positions).
+    """
+    model = tiny_model(family, attn=attn, yarn=family != "kimi_linear")
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((5, 11) if attn == "sdpa" else (3, 8), seed=1)
+    args = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    want = exact.generate(ids, **args)
+    got = rewritten(model).generate(ids, **args)
+    assert counters["mla"]["absorbed_sites"] >= attention_layers(model)
+    assert torch.equal(got, want)
+
+
+def test_no_mla_model_is_untouched() -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    ids, mask = left_padded_batch((6, 4))
+    args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **args)
+    got = rewritten(model).generate(ids, **args)
+    assert counters["mla"]["absorbed_sites"] == 0 and counters["mla"]["skipped_sites"] == 0
+    assert torch.equal(got, want)
+
+
+def test_inductor_backend_generate() -> None:
+    """backend="mla": the rewrite, then Inductor (CPU here), through plain torch.compile."""
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    ids, mask = left_padded_batch((5, 11), seed=2)
+    args = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **args)
+    got = rewritten(model, backend="mla").generate(ids, **args)
+    assert counters["mla"]["absorbed_sites"] >= attention_layers(model)
+    assert torch.equal(got, want)
+
+
+def test_hugging_face_compile_config() -> None:
+    """generate(compile_config=CompileConfig(backend="mla")) with a static cache; mode
+    "reduce-overhead" (CompileConfig's default) is passed through to Inductor."""
+    model = tiny_model("deepseek_v2", dtype=torch.float32)
+    ids, mask = left_padded_batch((5, 3), seed=3)
+    args = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **args)
+    config = transformers.CompileConfig(backend="mla", fullgraph=True, mode="reduce-overhead")
+    config._compile_all_devices = True  # Hugging Face compiles only on accelerators by default
+    torch._dynamo.reset()
+    counters.clear()
+    got = model.generate(ids, **args, cache_implementation="static", compile_config=config)
+    assert counters["mla"]["absorbed_sites"] == attention_layers(model)
+    assert torch.equal(got, want)
