@@ -38,7 +38,7 @@ def rewritten(model, backend: str = "mla_eager"):
     compiles so (the rewrite adds no graph break)."""
     torch._dynamo.reset()
     counters.clear()
-    fullgraph = FULLGRAPH[model.config.model_type]
+    fullgraph = FULLGRAPH.get(model.config.model_type, True)
     model.forward = torch.compile(model.forward, backend=backend, fullgraph=fullgraph)
     return model
 
