@@ -58,7 +58,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def decode_step_logits(model, exact, ids, mask):
-    """Prefill with ``exact``, then one decode step through ``exact`` and the rewritten ``model``."""
+    """Prefill with ``exact``, then one decode step through ``exact`` and rewritten ``model``."""
     with torch.no_grad():
         out = exact(ids, attention_mask=mask, use_cache=True)
         next_ids = out.logits[:, -1:].argmax(-1)
