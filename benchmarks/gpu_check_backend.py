@@ -21,8 +21,10 @@ for dtype in (torch.float32, torch.bfloat16):
         config = transformers.CompileConfig(backend="mla", fullgraph=True, mode=mode)
         got = model.generate(ids, **args, cache_implementation="static", compile_config=config)
         same = (got == want).float().mean().item()
-        print(f"{dtype} compile_config mode={mode}: sites={counters['mla']['absorbed_sites']} "
-              f"tokens equal to eager: {same:.3f}")
+        print(
+            f"{dtype} compile_config mode={mode}: sites={counters['mla']['absorbed_sites']} "
+            f"tokens equal to eager: {same:.3f}"
+        )
     torch._dynamo.reset()
     counters.clear()
     compiled = tiny_model("deepseek_v3", dtype=dtype).cuda()
@@ -30,5 +32,7 @@ for dtype in (torch.float32, torch.bfloat16):
     compiled.forward = torch.compile(compiled.forward, backend="mla", fullgraph=True)
     got = compiled.generate(ids, **args)
     same = (got == want).float().mean().item()
-    print(f"{dtype} torch.compile(backend='mla') DynamicCache: "
-          f"sites={counters['mla']['absorbed_sites']} tokens equal to eager: {same:.3f}")
+    print(
+        f"{dtype} torch.compile(backend='mla') DynamicCache: "
+        f"sites={counters['mla']['absorbed_sites']} tokens equal to eager: {same:.3f}"
+    )

@@ -50,4 +50,3 @@ def mla_eager(
         raise ValueError("backend 'mla_eager' takes no mode or options (use backend='mla')")
     absorb_mla(gm)
     return gm.forward
-
