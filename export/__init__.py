@@ -1,4 +1,39 @@
-"""export: torch.export / AOTInductor / ONNX for models that call the ``mla`` ops.
+"""export: ``torch.export`` / AOTInductor / ONNX for Hugging Face MLA models with the ``mla`` ops.
 
-Not implemented yet (issue 6). Importing this package does nothing.
+One function per target; every program is a rewritten decode step (or a prefill step) with a
+dynamic batch and cache length:
+
+* ``export_decode_step(model)`` / ``export_prefill_step(model)`` -> ``ExportedProgram``;
+  ``save_program`` / ``load_program`` (``load_program`` registers the ops first).
+* ``aoti.compile_package(program, "step.pt2")`` / ``aoti.load_package(path)``.
+* ``onnx.export_onnx(program, "step.onnx", translation="standard" | "custom")``.
+
+A process that runs a program with ``mla`` nodes needs ``import mla_ops`` (the ops are Python
+``torch.library`` custom ops); the ONNX "standard" translation needs nothing of ours.
 """
+
+from . import aoti, onnx
+from .program import (
+    export_decode_step,
+    export_prefill_step,
+    load_program,
+    mla_op_counts,
+    registration_hint,
+    save_program,
+)
+from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
+
+__all__ = [
+    "DecodeStep",
+    "PrefillStep",
+    "aoti",
+    "decode_inputs",
+    "export_decode_step",
+    "export_prefill_step",
+    "load_program",
+    "mla_op_counts",
+    "onnx",
+    "prompt_inputs",
+    "registration_hint",
+    "save_program",
+]

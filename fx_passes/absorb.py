@@ -104,6 +104,9 @@ class AbsorbReport:
     """Every MLA site ``absorb_mla`` found, in graph order."""
 
     sites: list[SiteReport] = field(default_factory=list)
+    # For an ExportedProgram input: the program to use from now on (the input when nothing was
+    # rewritten, else a re-export of the rewritten module). None for a GraphModule input.
+    program: torch.export.ExportedProgram | None = None
 
     @property
     def rewritten(self) -> int:
@@ -119,13 +122,25 @@ class AbsorbReport:
         return "\n".join(lines)
 
 
-def absorb_mla(gm: GraphModule, *, max_q_len: int = DEFAULT_MAX_Q_LEN) -> AbsorbReport:
-    """Rewrite every MLA attention site of ``gm`` (in place) into the absorbed form.
+def absorb_mla(
+    gm: GraphModule | torch.export.ExportedProgram, *, max_q_len: int = DEFAULT_MAX_Q_LEN
+) -> AbsorbReport:
+    """Rewrite every MLA attention site of ``gm`` into the absorbed form.
 
-    Works on a dynamo graph (torch-level calls) or an exported program's module (ATen calls).
+    ``gm``: a ``GraphModule`` (a dynamo graph with torch-level calls, or an exported program's
+    ``.module()`` with ATen calls), rewritten in place; or an ``ExportedProgram``, left as it is:
+    its module is rewritten and exported again with the program's example inputs and dynamic
+    dimensions, and the new, validated program is ``report.program``.
     Sites whose query length is above ``max_q_len`` or symbolic (prefill) are kept. Returns an
     ``AbsorbReport``; see the module docstring for counters and logging.
     """
+    if isinstance(gm, torch.export.ExportedProgram):
+        return _absorb_program(gm, max_q_len)
+    if not isinstance(gm, GraphModule):
+        raise TypeError(
+            f"absorb_mla takes a torch.fx.GraphModule or a torch.export.ExportedProgram, got "
+            f"{type(gm).__name__}"
+        )
     report = AbsorbReport()
     for candidate in attention_candidates(gm.graph):
         if candidate.graph is not gm.graph or candidate not in gm.graph.nodes:
@@ -157,6 +172,70 @@ def absorb_mla(gm: GraphModule, *, max_q_len: int = DEFAULT_MAX_Q_LEN) -> Absorb
         gm.graph.lint()
         gm.recompile()
     return report
+
+
+def _absorb_program(program: torch.export.ExportedProgram, max_q_len: int) -> AbsorbReport:
+    """``absorb_mla`` on an exported program: rewrite its module, then export that again."""
+    if program.example_inputs is None:
+        raise ValueError(
+            "absorb_mla on an ExportedProgram re-exports it and needs its example inputs; this "
+            "program has none (export it again with torch.export.export)"
+        )
+    args, kwargs = program.example_inputs
+    if kwargs:
+        raise ValueError(
+            "absorb_mla on an ExportedProgram needs a program exported with positional example "
+            f"inputs only; this one has keyword inputs {sorted(kwargs)}"
+        )
+    module = program.module()
+    report = absorb_mla(module, max_q_len=max_q_len)
+    report.program = program
+    if report.rewritten:
+        report.program = torch.export.export(
+            module, args, dynamic_shapes=_dynamic_shapes_of(program)
+        )
+        report.program.validate()
+    return report
+
+
+def _dynamic_shapes_of(program: torch.export.ExportedProgram):
+    """``dynamic_shapes`` that re-export ``program``'s inputs as they were: every symbol of the
+    program becomes a named ``Dim`` with its range, a dimension ``symbol + k`` the derived
+    ``Dim + k``; any other symbolic expression is left to export (``Dim.AUTO``)."""
+    import sympy
+    from torch.export import Dim
+    from torch.utils import _pytree
+
+    dims = {}
+    for expr, bounds in program.range_constraints.items():
+        if expr.is_Symbol:
+            upper = int(bounds.upper) if bounds.upper.is_finite else None
+            dims[expr] = Dim(str(expr), min=int(bounds.lower), max=upper)
+
+    def dim_of(expr):
+        if expr in dims:
+            return dims[expr]
+        if len(expr.free_symbols) == 1:
+            (symbol,) = expr.free_symbols
+            offset = sympy.simplify(expr - symbol)
+            if symbol in dims and offset.is_Integer:
+                return dims[symbol] + int(offset)
+        return Dim.AUTO
+
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    leaves = []
+    for name in program.graph_signature.user_inputs:
+        value = placeholders[name].meta.get("val")
+        spec = None
+        if isinstance(value, torch.Tensor):
+            spec = {
+                i: dim_of(size.node.expr)
+                for i, size in enumerate(value.shape)
+                if not isinstance(size, int)
+            } or None
+        leaves.append(spec)
+    args_spec, _ = _pytree.tree_unflatten(leaves, program.call_spec.in_spec)
+    return args_spec
 
 
 def _skip(report: AbsorbReport, name: str, reason: str) -> None:

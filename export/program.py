@@ -1,0 +1,166 @@
+"""``torch.export`` of a Hugging Face MLA model's decode and prefill steps, rewritten; save/load.
+
+The decode program is exported with a dynamic batch and cache length, rewritten by
+``fx_passes.absorb_mla`` (latent attention through ``mla.decode`` / ``mla.combine``, no expanded
+K/V) and exported again, so the result is an ordinary, validated ``ExportedProgram``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zipfile
+
+import torch
+
+from fx_passes import absorb_mla
+from fx_passes.absorb import DEFAULT_MAX_Q_LEN
+
+from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
+
+MLA_OPS = ("mla.decode.default", "mla.combine.default")
+_REGISTRATION_HINT = (
+    "The program calls the mla custom ops (torch.ops.mla.decode / combine), which exist in a "
+    "process only after `import mla_ops` (pip install mla-compile): import it before loading, "
+    "or load with export.load_program, which does."
+)
+
+
+def mla_op_counts(program: torch.export.ExportedProgram | torch.fx.GraphModule) -> dict[str, int]:
+    """How many ``mla.decode`` / ``mla.combine`` nodes the program's graph holds."""
+    graph = program.graph
+    counts = dict.fromkeys(MLA_OPS, 0)
+    for node in graph.nodes:
+        if str(node.target) in counts:
+            counts[str(node.target)] += 1
+    return counts
+
+
+def _check_step_args(batch_size: int, length: int, length_name: str, q_len: int) -> None:
+    if not isinstance(batch_size, int) or batch_size < 2:
+        # export specialises a dimension whose example size is 0 or 1
+        raise ValueError(f"batch_size must be an int >= 2 (the example batch), got {batch_size!r}")
+    if not isinstance(length, int) or length < 2:
+        raise ValueError(f"{length_name} must be an int >= 2, got {length!r}")
+    if not isinstance(q_len, int) or not 1 <= q_len <= DEFAULT_MAX_Q_LEN:
+        raise ValueError(f"q_len must be an int in [1, {DEFAULT_MAX_Q_LEN}], got {q_len!r}")
+
+
+def export_decode_step(
+    model: torch.nn.Module,
+    *,
+    batch_size: int = 2,
+    cache_len: int = 16,
+    q_len: int = 1,
+    max_batch_size: int = 1024,
+    max_cache_len: int | None = None,
+) -> torch.export.ExportedProgram:
+    """Export one decode step of ``model`` (a Hugging Face MLA ``*ForCausalLM``), rewritten.
+
+    The program is ``DecodeStep(model)``: ``(input_ids [B, q_len], attention_mask [B, T+q_len],
+    position_ids [B, q_len], past) -> (logits, present)`` with ``B`` in ``[1, max_batch_size]`` and
+    the cache length ``T`` in ``[1, max_cache_len - q_len]`` (default: the model's
+    ``max_position_embeddings``). ``batch_size`` and ``cache_len`` only size the example inputs.
+    Every MLA site is rewritten (``mla.decode`` + ``mla.combine``); a model where none is found
+    raises ``ValueError`` with ``absorb_mla``'s report.
+    """
+    _check_step_args(batch_size, cache_len, "cache_len", q_len)
+    if getattr(model.config, "kv_lora_rank", None) is None:
+        raise ValueError(
+            f"export_decode_step exports MLA models; {type(model).__name__} has no kv_lora_rank "
+            "in its config (use torch.export.export for other models)"
+        )
+    if max_cache_len is None:
+        max_cache_len = int(model.config.max_position_embeddings)
+    if max_cache_len - q_len < cache_len:
+        raise ValueError(f"max_cache_len={max_cache_len} leaves no room for cache_len={cache_len}")
+    step = DecodeStep(model).eval()
+    args = decode_inputs(model, batch_size, cache_len, q_len)
+    batch = torch.export.Dim("batch", min=1, max=max_batch_size)
+    past_len = torch.export.Dim("cache_len", min=1, max=max_cache_len - q_len)
+    cache_dims = {0: batch, 2: past_len}
+    dynamic_shapes = (
+        {0: batch},
+        {0: batch, 1: past_len + q_len},
+        {0: batch},
+        tuple((cache_dims, cache_dims) for _ in args[3]),
+    )
+    with torch.no_grad():
+        program = torch.export.export(step, args, dynamic_shapes=dynamic_shapes)
+        report = absorb_mla(program)
+    if not report.rewritten:
+        raise ValueError(f"no MLA attention was rewritten in the decode step:\n{report}")
+    return report.program
+
+
+def export_prefill_step(
+    model: torch.nn.Module,
+    *,
+    batch_size: int = 2,
+    seq_len: int = 16,
+    max_batch_size: int = 1024,
+    max_seq_len: int | None = None,
+) -> torch.export.ExportedProgram:
+    """Export the prompt pass of ``model``: ``PrefillStep(model)``, ``(input_ids [B, S],
+    attention_mask [B, S], position_ids [B, S]) -> (logits, present)`` with dynamic ``B`` and
+    ``S`` in ``[2, max_seq_len]``. Prefill keeps the un-absorbed attention (the cost rule in
+    ``fx_passes/absorb.py``); ``present`` is the cache the decode program takes as ``past``."""
+    _check_step_args(batch_size, seq_len, "seq_len", 1)
+    if max_seq_len is None:
+        max_seq_len = int(model.config.max_position_embeddings)
+    batch = torch.export.Dim("batch", min=1, max=max_batch_size)
+    seq = torch.export.Dim("seq_len", min=2, max=max_seq_len)
+    args = prompt_inputs(model, batch_size, seq_len)
+    with torch.no_grad():
+        return torch.export.export(
+            PrefillStep(model).eval(), args, dynamic_shapes=({0: batch, 1: seq},) * 3
+        )
+
+
+def save_program(program: torch.export.ExportedProgram, path: str | os.PathLike) -> None:
+    """``torch.export.save``; the file needs ``import mla_ops`` in the loading process."""
+    torch.export.save(program, path)
+
+
+def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
+    """``torch.export.load`` after registering the ``mla`` ops (``import mla_ops``).
+
+    Before deserialising, the archive's graph is scanned for ``torch.ops.mla.*`` targets; one this
+    process does not define gets a message naming it, not only the deserialiser's traceback.
+    """
+    try:
+        import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
+    except ImportError as error:
+        raise ImportError(_REGISTRATION_HINT) from error
+    missing = [op for op in sorted(mla_ops_in_archive(path)) if not _resolves(op)]
+    if missing:
+        raise RuntimeError(
+            f"{os.fspath(path)} calls {', '.join(missing)}, which this process does not define "
+            "(is it from a newer mla-compile?). " + _REGISTRATION_HINT
+        )
+    return torch.export.load(path)
+
+
+def mla_ops_in_archive(path: str | os.PathLike) -> set[str]:
+    """The ``mla.<op>.<overload>`` targets named by the programs of a ``.pt2`` archive."""
+    found: set[str] = set()
+    with zipfile.ZipFile(path) as archive:
+        for name in archive.namelist():
+            if name.endswith(".json"):
+                text = archive.read(name).decode("utf-8", errors="replace")
+                found.update(match.group(1) for match in _MLA_TARGET.finditer(text))
+    return found
+
+
+_MLA_TARGET = re.compile(r"torch\.ops\.(mla\.\w+\.\w+)")
+
+
+def _resolves(target: str) -> bool:
+    _, op, overload = target.split(".")
+    packet = getattr(torch.ops.mla, op, None)
+    return packet is not None and overload in packet.overloads()
+
+
+def registration_hint() -> str:
+    """What a process needs before it runs a program that calls the ``mla`` ops."""
+    return _REGISTRATION_HINT
