@@ -34,7 +34,7 @@ from torch.fx import GraphModule, Node
 
 from mla_ops import mla_decode
 
-from .graph_ops import meta_value
+from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
 from .mla_pattern import MLASite, NotMLA, SkipSite, attention_candidates, match_site
 
 log = logging.getLogger("fx_passes")
@@ -65,23 +65,68 @@ def absorbed_mla_attention(
     Returns:
         ``[B, H, S, V]``, the attention output the original computed.
     """
+    kv_c = latent[:, 0] if latent.dim() == 4 else latent  # [B, T, L]
+    k_pe = k_rot[:, 0]  # [B, T, R]
+    batch, cache_len = kv_c.shape[:2]
+    cache_seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=query.device)
+    return _absorbed(
+        query, (kv_c, k_pe), cache_seqlens, None, kv_b_weight, attn_mask, softmax_scale, nope_dim,
+        v_dim,
+    )  # fmt: skip
+
+
+def absorbed_mla_attention_paged(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+) -> torch.Tensor:
+    """The same over a paged latent cache, read in place (no gather of the rows).
+
+    Args:
+        pool: ``[num_pages, page_size, L+R]`` rows ``[kv_c | k_pe]``.
+        block_table: ``[B, max_pages]`` int32; cache_seqlens: ``[B]`` int32 tokens stored.
+        attn_mask: over the token positions ``0 .. max_pages * page_size - 1``.
+        The rest as in ``absorbed_mla_attention``.
+    """
+    kv_lora_rank = kv_b_weight.shape[-1]
+    kv_cache = (pool[..., :kv_lora_rank], pool[..., kv_lora_rank:])
+    return _absorbed(
+        query, kv_cache, cache_seqlens, block_table, kv_b_weight, attn_mask, softmax_scale,
+        nope_dim, v_dim,
+    )  # fmt: skip
+
+
+def _absorbed(
+    query: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+) -> torch.Tensor:
     batch, heads, q_len, _ = query.shape
     kv_lora_rank = kv_b_weight.shape[-1]
     w_kv = kv_b_weight.view(heads, nope_dim + v_dim, kv_lora_rank)
     w_uk, w_uv = w_kv[:, :nope_dim], w_kv[:, nope_dim:]  # [H, P, L], [H, V, L]
     q_lat = torch.einsum("bhsp,hpl->bshl", query[..., :nope_dim], w_uk)  # [B, S, H, L]
     q_abs = torch.cat([q_lat, query[..., nope_dim:].transpose(1, 2)], dim=-1)  # [B, S, H, L+R]
-    kv_c = latent[:, 0] if latent.dim() == 4 else latent  # [B, T, L]
-    k_pe = k_rot[:, 0]  # [B, T, R]
-    cache_len = kv_c.shape[1]
-    cache_seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=query.device)
     mask = None
     if attn_mask is not None:
-        mask = attn_mask[:, 0].expand(batch, q_len, cache_len)  # [B, S, T]
+        mask = attn_mask[:, 0].expand(batch, q_len, attn_mask.shape[-1])  # [B, S, T_m]
     out_lat, _ = mla_decode(
         q_abs,
-        (kv_c, k_pe),
+        kv_cache,
         cache_seqlens,
+        block_table=block_table,
         head_dim_v=kv_lora_rank,
         softmax_scale=softmax_scale,
         causal=False,  # the original's visibility is all in attn_mask
@@ -164,10 +209,12 @@ def absorb_mla(
                 f"prefill (S_q={site.q_len} > max_q_len={max_q_len}): un-absorbed form kept",
             )
             continue
-        _rewrite(gm, site)
+        read = _rewrite(gm, site)
         counters["mla"]["absorbed_sites"] += 1
-        report.sites.append(SiteReport(site.attention.name, "rewritten", site.describe()))
-        log.info("fx_passes: rewrote %s", site.describe())
+        counters["mla"][f"{read}_sites"] += 1
+        description = f"{site.describe()} cache={read}"
+        report.sites.append(SiteReport(site.attention.name, "rewritten", description))
+        log.info("fx_passes: rewrote %s", description)
     if report.rewritten:
         gm.graph.lint()
         gm.recompile()
@@ -244,24 +291,73 @@ def _skip(report: AbsorbReport, name: str, reason: str) -> None:
     log.info("fx_passes: skipped MLA site '%s': %s", name, reason)
 
 
-def _rewrite(gm: GraphModule, site: MLASite) -> None:
+def _rewrite(gm: GraphModule, site: MLASite) -> str:
+    """Replace the site; returns how the latent is read ("paged" or "dense")."""
     graph = gm.graph
-    args = (site.query, site.latent, site.k_rot, site.weight, site.attn_mask)
     kwargs = dict(softmax_scale=site.softmax_scale, nope_dim=site.nope_dim, v_dim=site.v_dim)
+    paged = paged_source(site.latent, site.k_rot, site.weight)
+    if paged is not None:
+        pool, block_table, cache_seqlens = paged
+        function = absorbed_mla_attention_paged
+        args = (site.query, pool, block_table, cache_seqlens, site.weight, site.attn_mask)
+    else:
+        function = absorbed_mla_attention
+        args = (site.query, site.latent, site.k_rot, site.weight, site.attn_mask)
     with graph.inserting_before(site.attention):
-        new = graph.call_function(absorbed_mla_attention, args=args, kwargs=kwargs)
-    _record_fake_value(new, args, kwargs)
+        new = graph.call_function(function, args=args, kwargs=kwargs)
+    _record_fake_value(new, function, args, kwargs)
     site.attention.replace_all_uses_with(new)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    for node in sorted(site.internal, key=order.__getitem__, reverse=True):
+    dead = set(site.internal)
+    if paged is not None:  # the gather of the rows and its views, when nothing else reads them
+        dead |= _view_chain(site.latent) | _view_chain(site.k_rot)
+    for node in sorted(dead, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
+    return "paged" if paged is not None else "dense"
 
 
-def _record_fake_value(new: Node, args: tuple, kwargs: dict) -> None:
+def paged_source(latent: Node, k_rot: Node, weight: Node) -> tuple[Node, Node, Node] | None:
+    """``(pool, block_table, cache_seqlens)`` when the site's latent and rope key are the two
+    column ranges ``[0, L)`` and ``[L, L+R)`` of one ``mla::paged_rows`` gather (``MLACache``
+    in static mode), so the pages can be read in place; else None."""
+    ranges = []
+    for node in (latent, k_rot):
+        while kind(node) == "unsqueeze":
+            node = named_arg(node, "input")
+        taken = last_dim_range(node)
+        if taken is None:
+            return None
+        ranges.append(taken)
+    (source, start, end), (rope_source, rope_start, rope_end) = ranges
+    weight_shape, source_shape = shape(weight), shape(source)
+    if source is not rope_source or kind(source) != "paged_rows" or weight_shape is None:
+        return None
+    kv_lora_rank = weight_shape[-1]
+    if (start, end, rope_start, rope_end) != (0, kv_lora_rank, kv_lora_rank, source_shape[-1]):
+        return None
+    return tuple(named_arg(source, name) for name in ("pool", "block_table", "cache_seqlens"))
+
+
+def _view_chain(node: Node) -> set[Node]:
+    """``node`` and the unsqueeze / column-range / paged_rows nodes it was taken from."""
+    chain = set()
+    while node is not None:
+        chain.add(node)
+        if kind(node) == "unsqueeze":
+            node = named_arg(node, "input")
+        elif kind(node) == "paged_rows":
+            node = None
+        else:
+            taken = last_dim_range(node)
+            node = None if taken is None else taken[0]
+    return chain
+
+
+def _record_fake_value(new: Node, function, args: tuple, kwargs: dict) -> None:
     """Give the new node the fake value later passes read (``val`` or ``example_value``)."""
     values = [meta_value(a) if isinstance(a, Node) else a for a in args]
-    if any(v is None for v in values[:4]):
+    if any(v is None for v in values[:-1]):
         return
     fake_mode = torch._guards.detect_fake_mode([v for v in values if v is not None])
     if fake_mode is None:
@@ -269,6 +365,6 @@ def _record_fake_value(new: Node, args: tuple, kwargs: dict) -> None:
     key = "val" if "val" in args[0].meta else "example_value"
     try:
         with fake_mode:
-            new.meta[key] = absorbed_mla_attention(*values, **kwargs)
+            new.meta[key] = function(*values, **kwargs)
     except Exception as error:  # metadata only: the rewrite stands without it
         log.debug("fx_passes: no fake value for %s: %s", new.name, error)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+import mla_ops  # noqa: F401  (registers torch.ops.mla.*, matched below)
+
 aten = torch.ops.aten
 
 # kind -> (call_function targets, call_method names)
@@ -42,6 +44,9 @@ _KINDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "slice": ((aten.slice.Tensor,), ()),
     "cat": ((torch.cat, torch.concat, torch.concatenate, aten.cat.default), ()),
     "expand": ((aten.expand.default,), ("expand",)),
+    "unsqueeze": ((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
+    # a paged latent cache's rows in token order (mla_ops.paged_cache, static mode)
+    "paged_rows": ((torch.ops.mla.paged_rows, torch.ops.mla.paged_rows.default), ()),
     "new_empty": ((aten.new_empty.default,), ("new_empty",)),
     "copy_": ((aten.copy_.default,), ("copy_",)),
     "softmax": (
@@ -79,6 +84,8 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "slice": ("input", "dim", "start", "end", "step"),
     "expand": ("input", "size"),
     "copy_": ("self", "src"),
+    "unsqueeze": ("input", "dim"),
+    "paged_rows": ("pool", "block_table", "cache_seqlens"),
 }
 
 

@@ -49,6 +49,11 @@ class _SharedStore:
         self.page_size, self.static, self.num_pages = page_size, static, num_pages
         self.cache: PagedLatentCache | None = None
 
+    @property
+    def capacity(self) -> int:
+        """Token positions per sequence: ``max_length`` rounded up to whole pages."""
+        return -(-self.max_length // self.page_size) * self.page_size
+
     def get(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> PagedLatentCache:
         if self.cache is None:
             self.cache = PagedLatentCache(
@@ -63,6 +68,10 @@ class _SharedStore:
                 dtype=kv_c.dtype,
                 device=kv_c.device,
             )
+            if self.static and not torch.compiler.is_compiling():
+                # Fixed addresses: compiled graphs (and CUDA graphs) read them in place.
+                for tensor in [*self.cache.pools, self.cache.block_table, self.cache.seqlens]:
+                    torch._dynamo.mark_static_address(tensor)
         return self.cache
 
 
@@ -76,6 +85,8 @@ class MLACacheLayer(CacheLayerMixin):
     def __init__(self, store: _SharedStore, layer_idx: int) -> None:
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
+        # Static mode keeps every length on the device: a decode step compiles once.
+        self.is_compileable = store.static
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.store.get(key_states, value_states)
@@ -94,17 +105,32 @@ class MLACacheLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if not self.store.static and torch.compiler.is_compiling():
+            raise RuntimeError(
+                "MLACache(static=False) grows its pages and lengths on the host, which "
+                "torch.compile would guard on at every step: use MLACache(..., static=True) "
+                "with torch.compile"
+            )
         cache = self.store.cache
         cache.append(self.layer_idx, key_states[:, 0], value_states[:, 0])
-        kv_c, k_pe = cache.rows(self.layer_idx)  # [B, T, L], [B, T, R]
+        # [B, T, L], [B, T, R]; static: T = capacity, zero past the length (the mask hides it)
+        kv_c, k_pe = cache.rows(self.layer_idx)
         return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.store.static:
+            return self.store.capacity, 0
         return self.get_seq_length() + query_length, 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Tokens cached per sequence; static mode: a 0-dim device tensor (as Hugging Face's
+        ``StaticLayer``), so reading it needs no host sync and adds no guard."""
         cache = self.store.cache
-        return 0 if cache is None else cache.get_seq_length(self.layer_idx)
+        if cache is None:
+            return 0
+        if self.store.static:
+            return cache.seqlens[self.layer_idx, 0]
+        return cache.get_seq_length(self.layer_idx)
 
     def get_max_length(self) -> int:
         return self.store.max_length

@@ -377,6 +377,51 @@ def _combine_fake(
     return out, lse
 
 
+# --- mla::paged_rows --------------------------------------------------------------------------
+
+
+def check_paged_rows_args(
+    pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor
+) -> None:
+    """Shape, dtype and device checks of ``mla::paged_rows`` (metadata only)."""
+    _check_floating("pool", pool)
+    if pool.dim() != 3:
+        _fail(f"pool must be [num_pages, page_size, D], got shape {tuple(pool.shape)}")
+    _check_index("block_table", block_table, 2, pool.device)
+    _check_index("cache_seqlens", cache_seqlens, 1, pool.device)
+    if cache_seqlens.shape[0] != block_table.shape[0]:
+        _fail(
+            f"cache_seqlens must be [batch={block_table.shape[0]}] (block_table's rows), got "
+            f"{tuple(cache_seqlens.shape)}"
+        )
+
+
+@torch.library.custom_op("mla::paged_rows", mutates_args=())
+def paged_rows(
+    pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Rows of a paged cache in token order: ``[B, max_pages * page_size, D]``, zero past each
+    sequence's length (stale or unallocated pages are never read into the result).
+
+    The dense view an unrewritten attention needs; one node that ``fx_passes`` recognises and
+    replaces by ``mla_decode`` over the pages themselves.
+    """
+    check_paged_rows_args(pool, block_table, cache_seqlens)
+    rows = reference.gather_rows(pool, cache_seqlens, block_table)  # [B, capacity, D]
+    token = torch.arange(rows.shape[1], device=pool.device)
+    beyond = token[None, :] >= cache_seqlens.long()[:, None]  # [B, capacity]
+    return rows.masked_fill(beyond[..., None], 0.0)
+
+
+@paged_rows.register_fake
+def _paged_rows_fake(
+    pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor
+) -> torch.Tensor:
+    check_paged_rows_args(pool, block_table, cache_seqlens)
+    batch, max_pages = block_table.shape
+    return pool.new_empty((batch, max_pages * pool.shape[1], pool.shape[2]))
+
+
 # --- public wrappers -------------------------------------------------------------------------
 
 

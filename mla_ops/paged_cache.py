@@ -4,11 +4,11 @@
 batch one block table ``[B, max_pages]`` (int32 page ids, shared by all layers) and per-layer
 lengths. It is the storage under a Hugging Face cache (issue 5); it knows nothing of transformers.
 
-* ``static=True`` allocates every sequence's pages up front: no tensor ever changes address (the
-  precondition for capturing a decode step in a CUDA graph; ``append`` still takes its write
-  positions from the host-side length, so capture also needs positions passed in, which is issue
-  5's part). ``static=False`` takes pages from a free list as sequences grow (a host-side
-  allocator; the block table is updated when a page is added).
+* ``static=True`` allocates every sequence's pages up front and keeps the lengths only on the
+  device: no tensor ever changes address and ``append`` takes its write positions from the device
+  lengths, so a decode step compiles once and can be captured in a CUDA graph (no host sync, no
+  value that changes per step on the host). ``static=False`` takes pages from a free list as
+  sequences grow (a host-side allocator and host-side lengths: eager use only).
 * Every sequence owns its pages: no page is ever in two rows of the block table.
 * All sequences of the batch advance together (as in ``generate()``, where padding is a token).
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from . import ops  # noqa: F401  (registers mla::paged_rows, used by rows())
 
 
 class PagedLatentCache:
@@ -84,7 +86,9 @@ class PagedLatentCache:
         )
         # [num_layers, B] int32: tokens stored per sequence and layer (the S_q new ones included).
         self.seqlens = torch.zeros(num_layers, batch_size, dtype=torch.int32, device=self.device)
-        self._lengths = [0] * num_layers  # host mirror: every sequence has the same length
+        # Host mirror of the lengths (every sequence has the same length); growing mode only: a
+        # static cache reads its lengths from the device tensor, so nothing host-side changes.
+        self._lengths = [0] * num_layers
         self._pages_allocated = 0  # pages per sequence currently in the block table
         self._free = list(range(num_pages - 1, -1, -1))  # a stack of page ids
         self._owned: list[list[int]] = [[] for _ in range(batch_size)]
@@ -101,9 +105,16 @@ class PagedLatentCache:
         """Bytes one token occupies in one layer: ``(L+R) * element size``."""
         return (self.kv_len + self.rope_len) * self.pools[0].element_size()
 
+    @property
+    def capacity(self) -> int:
+        """Token positions one sequence's block-table row addresses (``max_length`` rounded up
+        to whole pages)."""
+        return self.pages_per_seq * self.page_size
+
     def get_seq_length(self, layer: int = 0) -> int:
-        """Tokens stored per sequence in ``layer``."""
-        return self._lengths[layer]
+        """Tokens stored per sequence in ``layer`` (a host read of the device length when
+        static)."""
+        return int(self.seqlens[layer, 0]) if self.static else self._lengths[layer]
 
     # --- the arguments of mla_decode ----------------------------------------------------------
 
@@ -120,6 +131,9 @@ class PagedLatentCache:
     def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store ``S`` new rows per sequence: ``kv_c [B, S, L]``, ``k_pe [B, S, R]``."""
         self._check_rows(kv_c, k_pe)
+        if self.static:
+            self._append_at_device_lengths(layer, kv_c, k_pe)
+            return
         new = kv_c.shape[1]
         start = self._lengths[layer]
         end = start + new
@@ -128,23 +142,58 @@ class PagedLatentCache:
                 f"cache capacity exceeded: {start} + {new} tokens > max_length={self.max_length}"
             )
         self._allocate_pages(math.ceil(end / self.page_size))
-        positions = torch.arange(start, end, device=self.device)  # [S]
-        pages = self.block_table[:, positions // self.page_size].long()  # [B, S]
+        positions = torch.arange(start, end, device=self.device)[None, :]  # [1, S]
+        self._write(layer, positions.expand(self.batch_size, -1), kv_c, k_pe)
+        self._lengths[layer] = end
+        self.seqlens[layer].fill_(end)
+
+    def _append_at_device_lengths(
+        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
+        """Static mode: positions from the device lengths, no host read (compiles once)."""
+        lengths = self.seqlens[layer]  # [B] int32
+        new = kv_c.shape[1]
+        if not torch.compiler.is_compiling() and self.device.type != "cuda":
+            # A host read: off CUDA it costs nothing; on CUDA it would be a sync per layer.
+            end = int(lengths.max()) + new
+            if end > self.max_length:
+                raise ValueError(
+                    f"cache capacity exceeded: {end - new} + {new} tokens > "
+                    f"max_length={self.max_length} (static cache)"
+                )
+        positions = lengths.long()[:, None] + torch.arange(new, device=self.device)  # [B, S]
+        # Past capacity (only reachable where the check above cannot run) the last row is
+        # rewritten instead: no write leaves the sequence's own pages, and the length then
+        # exceeds the capacity, which mla_decode's value checks report.
+        self._write(layer, positions.clamp_max(self.capacity - 1), kv_c, k_pe)
+        lengths.add_(new)
+
+    def _write(
+        self, layer: int, positions: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
+        """Rows ``[B, S, L+R]`` to token ``positions [B, S]`` of each sequence's pages."""
+        pages = self.block_table.long().gather(1, positions // self.page_size)  # [B, S]
         slots = pages * self.page_size + positions % self.page_size  # [B, S] row in the pool
         rows = torch.cat([kv_c, k_pe], dim=-1).to(self.dtype)  # [B, S, L+R]
         pool = self.pools[layer].view(-1, self.kv_len + self.rope_len)
         pool.index_copy_(0, slots.reshape(-1), rows.reshape(-1, rows.shape[-1]))
-        self._lengths[layer] = end
-        self.seqlens[layer].fill_(end)
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored rows of ``layer`` in token order: ``kv_c [B, T, L]``, ``k_pe [B, T, R]``.
 
-        A gather (copy): for an unrewritten model that attends over full tensors.
+        A gather (copy): for an unrewritten model that attends over full tensors. Growing mode:
+        ``T`` is the length. Static mode: ``T`` is the capacity (fixed shapes, as Hugging Face's
+        static cache), rows past the length are zero, through ``mla::paged_rows``, which
+        ``fx_passes`` replaces by ``mla_decode`` over the pages.
         """
-        length = self._lengths[layer]
-        pages = self.block_table[:, : math.ceil(length / self.page_size)].long()  # [B, n]
-        gathered = self.pools[layer][pages].flatten(1, 2)[:, :length]  # [B, T, L+R]
+        if self.static:
+            gathered = torch.ops.mla.paged_rows(
+                self.pools[layer], self.block_table, self.seqlens[layer]
+            )  # [B, capacity, L+R]
+        else:
+            length = self._lengths[layer]
+            pages = self.block_table[:, : math.ceil(length / self.page_size)].long()  # [B, n]
+            gathered = self.pools[layer][pages].flatten(1, 2)[:, :length]  # [B, T, L+R]
         return gathered[..., : self.kv_len], gathered[..., self.kv_len :]
 
     # --- batch operations (generate(): beam search, assisted decoding, reuse) -----------------
@@ -170,9 +219,10 @@ class PagedLatentCache:
 
         ``layer``: only that layer (all layers by default).
         """
-        for index, length in enumerate(self._lengths):
+        for index in range(self.num_layers):
             if layer is not None and index != layer:
                 continue
+            length = self.get_seq_length(index)
             keep = length + max_length if max_length < 0 else min(length, max_length)
             if keep < 0:
                 raise ValueError(f"cannot crop {-max_length} tokens from a {length}-token cache")

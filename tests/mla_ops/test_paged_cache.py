@@ -34,13 +34,24 @@ def fill(cache: PagedLatentCache, steps: list[int], seed: int = 0):
     return [torch.cat(w, dim=1) for w in written]  # [B, T, L+R] per layer
 
 
+def stored_rows(cache: PagedLatentCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``stored_rows(cache, layer)`` cut to the stored length; a static cache returns the whole capacity,
+    zero past the length, which is checked here."""
+    kv_c, k_pe = cache.rows(layer)
+    length = cache.get_seq_length(layer)
+    if cache.static:
+        assert kv_c.shape[1] == k_pe.shape[1] == cache.capacity
+        assert not kv_c[:, length:].any() and not k_pe[:, length:].any()
+    return kv_c[:, :length], k_pe[:, :length]
+
+
 @pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("page_size", [1, 3, 64])
 def test_rows_round_trip_across_pages(page_size: int, static: bool) -> None:
     cache = make(page_size, static)
     expected = fill(cache, [7, 1, 1, 64, 2])
     for layer in range(2):
-        kv_c, k_pe = cache.rows(layer)
+        kv_c, k_pe = stored_rows(cache, layer)
         torch.testing.assert_close(torch.cat([kv_c, k_pe], -1), expected[layer], rtol=0, atol=0)
         assert cache.get_seq_length(layer) == 75
         assert cache.seqlens[layer].tolist() == [75] * B
@@ -85,7 +96,7 @@ def test_stale_rows_after_reset_are_not_read() -> None:
     q = torch.randn(B, 1, 2, L + R)
     out, _ = mla_ops.mla_decode(q, head_dim_v=L, softmax_scale=0.2, **cache.decode_args(0))
     assert not torch.isnan(out).any()
-    kv_c, k_pe = cache.rows(0)
+    kv_c, k_pe = stored_rows(cache, 0)
     torch.testing.assert_close(torch.cat([kv_c, k_pe], -1), expected[0], rtol=0, atol=0)
 
 
@@ -96,7 +107,7 @@ def test_reorder_is_a_batch_gather(static: bool) -> None:
     beam_idx = torch.tensor([2, 0, 0])
     cache.reorder(beam_idx)
     for layer in range(2):
-        kv_c, k_pe = cache.rows(layer)
+        kv_c, k_pe = stored_rows(cache, layer)
         torch.testing.assert_close(torch.cat([kv_c, k_pe], -1), expected[layer][beam_idx])
     used = cache.block_table[cache.block_table >= 0].tolist()
     assert len(used) == len(set(used)), "reorder must copy rows, not share pages"
@@ -108,14 +119,14 @@ def test_crop(static: bool) -> None:
     expected = fill(cache, [30])
     cache.crop(9)
     assert cache.get_seq_length() == 9
-    kv_c, _ = cache.rows(0)
+    kv_c, _ = stored_rows(cache, 0)
     torch.testing.assert_close(kv_c, expected[0][:, :9, :L])
     cache.crop(-4)
     assert cache.get_seq_length() == 5 and cache.seqlens[1].tolist() == [5] * B
     if not static:
         assert cache.block_table[:, 2:].eq(-1).all()  # pages past the kept tokens were freed
     more = fill(cache, [3], seed=3)
-    kv_c, _ = cache.rows(0)
+    kv_c, _ = stored_rows(cache, 0)
     torch.testing.assert_close(kv_c[:, 5:], more[0][..., :L])
 
 

@@ -1,0 +1,108 @@
+"""The rewritten model over MLACache(static=True): decode reads the pages in place through
+mla_decode (block table, device lengths), compiles once, and generates the original's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fx_passes
+from tests.fx_passes.test_hf_models import (
+    attention_layers,
+    left_padded_batch,
+    rewritten,
+    truth_model,
+)
+from tests.fx_passes.tiny_models import FAMILIES, FULLGRAPH, tiny_model
+
+hf_cache = pytest.importorskip("mla_ops.hf_cache")
+
+
+def latent_cache(model, page_size: int = 4, max_length: int = 64):
+    return hf_cache.MLACache(model.config, max_length=max_length, page_size=page_size, static=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generate_reads_pages_in_place(family: str) -> None:
+    """Float64, a left-padded batch, 24 new tokens: the original's tokens (default cache), every
+    decode site rewritten to the paged read, one prefill graph and one decode graph."""
+    model = tiny_model(family, yarn=family != "kimi_linear")
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((5, 11), seed=4)
+    args = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    want = exact.generate(ids, **args)
+    got = rewritten(model).generate(ids, **args, past_key_values=latent_cache(model))
+    assert torch.equal(got, want)
+    layers = attention_layers(model)
+    assert counters["mla"]["paged_sites"] == layers, dict(counters["mla"])
+    assert counters["mla"]["absorbed_sites"] == layers
+    if FULLGRAPH[family]:
+        # prefill + one decode graph for all 23 decode steps: the lengths live on the device
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_decode_graph_has_no_gather_and_no_expansion() -> None:
+    """In the rewritten decode graph the pages go straight to mla_decode: no paged_rows gather,
+    no kv_b_proj over the cached tokens."""
+    model = tiny_model("deepseek_v3")
+    ids, mask = left_padded_batch((3, 6), seed=5)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        report = fx_passes.absorb_mla(gm)
+        graphs.append((gm, report))
+        return gm
+
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=keep, fullgraph=True)
+    model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                   past_key_values=latent_cache(model))  # fmt: skip
+    decode_gm, report = graphs[-1]
+    assert report.rewritten == attention_layers(model)
+    assert all(s.reason.endswith("cache=paged") for s in report.sites)
+    targets = [str(n.target) for n in decode_gm.graph.nodes]
+    assert not any("paged_rows" in t for t in targets)
+    weight_users = [
+        n for n in decode_gm.graph.nodes if n.op == "placeholder" and "kv_b_proj" in n.name
+    ]
+    for weight in weight_users:  # read only as W_UK / W_UV views by the replacement
+        assert all("absorbed_mla_attention_paged" in str(u.target) for u in weight.users)
+
+
+def test_sampling_and_beam_search() -> None:
+    model = tiny_model("deepseek_v2", q_lora_rank=None)
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((4, 9), seed=6)
+    common = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    torch.manual_seed(7)
+    want_sampled = exact.generate(ids, **common, do_sample=True, top_k=20)
+    want_beams = exact.generate(ids, **common, do_sample=False, num_beams=3)
+    model = rewritten(model)
+    torch.manual_seed(7)
+    sampled = model.generate(ids, **common, do_sample=True, top_k=20,
+                             past_key_values=latent_cache(model))  # fmt: skip
+    beams = model.generate(ids, **common, do_sample=False, num_beams=3,
+                           past_key_values=latent_cache(model))  # fmt: skip
+    assert torch.equal(sampled, want_sampled)
+    assert torch.equal(beams, want_beams)
+
+
+def test_inductor_backend_over_latent_cache() -> None:
+    """backend="mla" (rewrite + Inductor, CPU here) over the paged cache, float32."""
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    ids, mask = left_padded_batch((5, 10), seed=8)
+    args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **args)
+    got = rewritten(model, backend="mla").generate(ids, **args, past_key_values=latent_cache(model))
+    assert counters["mla"]["paged_sites"] == attention_layers(model)
+    assert torch.equal(got, want)
+
+
+def test_growing_cache_refuses_compile() -> None:
+    model = rewritten(tiny_model("deepseek_v3"))
+    ids, mask = left_padded_batch((3, 4), seed=9)
+    cache = hf_cache.MLACache(model.config, max_length=32, page_size=4, static=False)
+    with pytest.raises(Exception, match=r"static=True"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache,
+                       pad_token_id=0)  # fmt: skip
