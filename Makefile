@@ -6,12 +6,26 @@ PY := $(VENV)/bin/python
 # The CPU wheel of torch: a bare `torch` requirement may pull a multi-GB CUDA build instead.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint format install clean
+# The run pinned to a transformers release whose MLA attention caches expanded K/V (<= 5.14):
+# the rewritten model must cache latents there too.
+LEGACY_VENV := .venv-legacy
+LEGACY_PY := $(LEGACY_VENV)/bin/python
+TRANSFORMERS_LEGACY ?= transformers==5.14.1
+LEGACY_TESTS := tests/fx_passes tests/mla_ops/test_paged_cache.py tests/mla_ops/test_paged_ops.py \
+	tests/mla_ops/test_hf_cache.py
+
+.PHONY: demo test test-legacy lint format install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[test,bench]"
+	touch $@
+
+$(LEGACY_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(LEGACY_VENV)
+	$(LEGACY_PY) -m pip install --quiet --upgrade pip
+	$(LEGACY_PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[test]" "$(TRANSFORMERS_LEGACY)"
 	touch $@
 
 install: $(VENV)/.installed
@@ -22,6 +36,9 @@ demo: install
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+test-legacy: $(LEGACY_VENV)/.installed
+	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS) $(PYTEST_ARGS)
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -31,4 +48,4 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info .pytest_cache

@@ -35,6 +35,7 @@ from torch.fx import GraphModule, Node
 from mla_ops import mla_decode
 
 from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
+from .latent_cache import rewrite_cache_updates
 from .mla_pattern import MLASite, NotMLA, SkipSite, attention_candidates, match_site
 
 log = logging.getLogger("fx_passes")
@@ -140,7 +141,7 @@ class SiteReport:
     """What ``absorb_mla`` did at one MLA site."""
 
     node: str
-    status: str  # "rewritten" or "skipped"
+    status: str  # "rewritten", "skipped" or "latent-cache" (a cache update now storing latents)
     reason: str  # why it was skipped, or the shapes it was rewritten with
 
 
@@ -158,11 +159,19 @@ class AbsorbReport:
         return sum(s.status == "rewritten" for s in self.sites)
 
     @property
+    def latent_cache_updates(self) -> int:
+        """Cache updates of expanded K/V turned into latent appends (transformers < 5.15)."""
+        return sum(s.status == "latent-cache" for s in self.sites)
+
+    @property
     def skipped(self) -> list[SiteReport]:
         return [s for s in self.sites if s.status == "skipped"]
 
     def __str__(self) -> str:
-        lines = [f"absorb_mla: {self.rewritten} of {len(self.sites)} MLA sites rewritten"]
+        attention = [s for s in self.sites if s.status != "latent-cache"]
+        lines = [f"absorb_mla: {self.rewritten} of {len(attention)} MLA sites rewritten"]
+        if self.latent_cache_updates:
+            lines[0] += f", {self.latent_cache_updates} cache updates store latents"
         lines += [f"  {s.status} {s.node}: {s.reason}" for s in self.sites]
         return "\n".join(lines)
 
@@ -187,6 +196,8 @@ def absorb_mla(
             f"{type(gm).__name__}"
         )
     report = AbsorbReport()
+    for name, status, reason in rewrite_cache_updates(gm.graph):
+        report.sites.append(SiteReport(name, status, reason))
     for candidate in attention_candidates(gm.graph):
         if candidate.graph is not gm.graph or candidate not in gm.graph.nodes:
             continue  # removed by an earlier rewrite
@@ -215,7 +226,7 @@ def absorb_mla(
         description = f"{site.describe()} cache={read}"
         report.sites.append(SiteReport(site.attention.name, "rewritten", description))
         log.info("fx_passes: rewrote %s", description)
-    if report.rewritten:
+    if report.rewritten or report.latent_cache_updates:
         gm.graph.lint()
         gm.recompile()
     return report

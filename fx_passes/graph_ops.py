@@ -47,6 +47,11 @@ _KINDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "unsqueeze": ((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
     # a paged latent cache's rows in token order (mla_ops.paged_cache, static mode)
     "paged_rows": ((torch.ops.mla.paged_rows, torch.ops.mla.paged_rows.default), ()),
+    # what MLACache receives from attention that caches expanded K/V (transformers < 5.15)
+    "expanded_kv_update": (
+        (torch.ops.mla.expanded_kv_update, torch.ops.mla.expanded_kv_update.default),
+        (),
+    ),
     "new_empty": ((aten.new_empty.default,), ("new_empty",)),
     "copy_": ((aten.copy_.default,), ("copy_",)),
     "softmax": (

@@ -224,14 +224,22 @@ def _key_parts(key: Node, internal: list[Node]) -> dict[tuple[int, int], Node]:
     raise NotMLA("key is neither a concatenation nor a filled buffer")
 
 
-def match_site(candidate: Node) -> MLASite:
-    """The MLA site at an SDPA or softmax node; raises ``NotMLA`` or ``SkipSite``."""
-    if kind(candidate) == "sdpa":
-        form = "sdpa"
-        query, key, value, mask, scale, output, internal = _parse_sdpa(candidate)
-    else:
-        form = "eager"
-        query, key, value, mask, scale, output, internal = _parse_eager(candidate)
+@dataclass
+class KVSource:
+    """Keys and values computed from a latent: ``kv_b_proj`` and the shared rope key."""
+
+    latent: Node  # kv_b_proj input: [B, 1, T, L] or [B, T, L]
+    weight: Node  # kv_b_proj weight [H*(P+V), L]
+    k_rot: Node  # shared rope key [B, 1, T, R]
+    heads: int
+    nope_dim: int  # P
+    rope_dim: int  # R
+    v_dim: int  # V
+
+
+def match_kv(key: Node, value: Node, internal: list[Node]) -> KVSource:
+    """How MLA keys ``[k_nope | k_rot.expand]`` and values came from one latent projection;
+    raises ``NotMLA`` / ``SkipSite``. The nodes in between are appended to ``internal``."""
     value = _strip(value, internal)
     key = _strip(key, internal)
 
@@ -263,14 +271,29 @@ def match_site(candidate: Node) -> MLASite:
     if kind(rope_src) == "expand":
         internal.append(rope_src)
         k_rot = named_arg(rope_src, "input")
+    rope_dim = rope_range[1] - rope_range[0]
+    rot_shape = shape(k_rot)
+    if rope_range[0] != nope_dim or rot_shape is None or rot_shape[-1] != rope_dim:
+        raise NotMLA("the key's second piece is not the rope part")
+    return KVSource(latent, weight, k_rot, heads, nope_dim, rope_dim, v_dim)
+
+
+def match_site(candidate: Node) -> MLASite:
+    """The MLA site at an SDPA or softmax node; raises ``NotMLA`` or ``SkipSite``."""
+    if kind(candidate) == "sdpa":
+        form = "sdpa"
+        query, key, value, mask, scale, output, internal = _parse_sdpa(candidate)
+    else:
+        form = "eager"
+        query, key, value, mask, scale, output, internal = _parse_eager(candidate)
+    kv = match_kv(key, value, internal)
+    latent, weight, heads, k_rot = kv.latent, kv.weight, kv.heads, kv.k_rot
+    nope_dim, rope_dim, v_dim = kv.nope_dim, kv.rope_dim, kv.v_dim
     rot_shape, q_shape, lat_shape = shape(k_rot), shape(query), shape(latent)
     if rot_shape is None or q_shape is None or lat_shape is None:
         raise SkipSite("no shape information on the query or the rope key")
     if len(rot_shape) != 4 or rot_shape[1] != 1:
         raise SkipSite(f"the rope key {rot_shape} is not one head shared by all heads")
-    rope_dim = rope_range[1] - rope_range[0]
-    if rope_range[0] != nope_dim or rot_shape[-1] != rope_dim:
-        raise NotMLA("the key's second piece is not the rope part")
     if len(q_shape) != 4 or q_shape[1] != heads or q_shape[-1] != nope_dim + rope_dim:
         raise SkipSite(f"query {q_shape} is not [B, H={heads}, S, P+R={nope_dim + rope_dim}]")
     kv_lora_rank = lat_shape[-1]
@@ -326,4 +349,12 @@ def _check_private(site: MLASite) -> None:
                 raise SkipSite(f"{what} also used elsewhere ('{node.name}' by '{user.name}')")
 
 
-__all__ = ["MLASite", "NotMLA", "SkipSite", "attention_candidates", "match_site"]
+__all__ = [
+    "KVSource",
+    "MLASite",
+    "NotMLA",
+    "SkipSite",
+    "attention_candidates",
+    "match_kv",
+    "match_site",
+]

@@ -1,24 +1,34 @@
-"""``MLACache``: a Hugging Face ``Cache`` that stores MLA latents in pages (transformers >= 5.15).
+"""``MLACache``: a Hugging Face ``Cache`` that stores MLA latents in pages.
 
-In transformers >= 5.15 the MLA attention of DeepSeek-V2/V3 and the related families calls
-``past_key_values.update(kv_c, k_pe, layer_idx)`` with the normalised latent ``kv_c [B, 1, S, L]``
-and the roped ``k_pe [B, 1, S, R]``. ``MLACache`` keeps them as one ``[kv_c | k_pe]`` row per
-token per layer in a ``PagedLatentCache`` (the layout ``mla_decode`` reads) and returns the full
-latents, so an unrewritten model generates exactly as with ``DynamicCache``.
+One ``[kv_c | k_pe]`` row per token per layer in a ``PagedLatentCache`` (the layout
+``mla_decode`` reads):
 
-    cache = MLACache(model.config, max_length=4096)
+    cache = MLACache(model.config, max_length=4096, static=True)
     model.generate(input_ids, past_key_values=cache, max_new_tokens=...)
 
-Status (issue 5): greedy, sampling, beam search and prompt-lookup decoding on transformers >= 5.15,
-eager. Not done yet: ``torch.compile`` (the length lives on the host, so dynamo guards on it and
-recompiles every decode step; it has to move to a device tensor as in ``StaticCache``), the
-rewritten model reading it through ``mla_decode``, transformers <= 5.14, batch-size changes.
+transformers >= 5.15: the MLA attention calls ``update(kv_c [B, 1, S, L], k_pe [B, 1, S, R])``;
+the cache stores the rows and returns the latents (growing mode: ``T`` = the length; static mode:
+the capacity, zero past the length, through ``mla::paged_rows``), so an unrewritten model
+generates exactly as with ``DynamicCache``, and ``fx_passes`` turns the read into ``mla_decode``
+over the pages.
+
+transformers < 5.15: the attention hands the cache expanded per-head K/V. In static mode, under
+``torch.compile(backend="mla")``, the update is the marker op ``mla::expanded_kv_update``, which
+``fx_passes`` replaces by a latent append and a re-expansion, so the model stores latents only
+(static mode run eagerly is refused with that advice). In growing mode (an unrewritten model)
+the layer keeps the expanded K/V as they are, like ``DynamicCache``, and says so in a warning.
+
+Static mode keeps every tensor at a fixed address and the lengths on the device: a decode step
+compiles once (and can run as a CUDA graph).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import transformers
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .paged_cache import PagedLatentCache
 
@@ -31,22 +41,25 @@ def transformers_version() -> tuple[int, int]:
     return tuple(int(part) for part in transformers.__version__.split(".")[:2])
 
 
-if transformers_version() < MIN_TRANSFORMERS:
-    raise ImportError(
-        f"mla_ops.hf_cache needs transformers >= 5.15 (found {transformers.__version__}): older "
-        "releases cache expanded per-head keys and values, not MLA latents"
-    )
-from transformers.cache_utils import Cache, CacheLayerMixin  # noqa: E402 (after the version check)
+LATENT_ATTENTION = transformers_version() >= MIN_TRANSFORMERS
 
 
 class _SharedStore:
     """The one ``PagedLatentCache`` behind all layers, created at the first update."""
 
     def __init__(
-        self, num_layers: int, max_length: int, page_size: int, static: bool, num_pages: int | None
+        self,
+        num_layers: int,
+        kv_len: int,
+        rope_len: int,
+        max_length: int,
+        page_size: int,
+        static: bool,
+        num_pages: int | None,
     ) -> None:
-        self.num_layers, self.max_length = num_layers, max_length
-        self.page_size, self.static, self.num_pages = page_size, static, num_pages
+        self.num_layers, self.kv_len, self.rope_len = num_layers, kv_len, rope_len
+        self.max_length, self.page_size = max_length, page_size
+        self.static, self.num_pages = static, num_pages
         self.cache: PagedLatentCache | None = None
 
     @property
@@ -54,19 +67,19 @@ class _SharedStore:
         """Token positions per sequence: ``max_length`` rounded up to whole pages."""
         return -(-self.max_length // self.page_size) * self.page_size
 
-    def get(self, kv_c: torch.Tensor, k_pe: torch.Tensor) -> PagedLatentCache:
+    def get(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> PagedLatentCache:
         if self.cache is None:
             self.cache = PagedLatentCache(
                 num_layers=self.num_layers,
-                batch_size=kv_c.shape[0],
-                kv_len=kv_c.shape[-1],
-                rope_len=k_pe.shape[-1],
+                batch_size=batch_size,
+                kv_len=self.kv_len,
+                rope_len=self.rope_len,
                 max_length=self.max_length,
                 page_size=self.page_size,
                 num_pages=self.num_pages,
                 static=self.static,
-                dtype=kv_c.dtype,
-                device=kv_c.device,
+                dtype=dtype,
+                device=device,
             )
             if self.static and not torch.compiler.is_compiling():
                 # Fixed addresses: compiled graphs (and CUDA graphs) read them in place.
@@ -76,9 +89,9 @@ class _SharedStore:
 
 
 class MLACacheLayer(CacheLayerMixin):
-    """One layer's view of the shared paged store."""
+    """One layer's view of the shared paged store (or, for an unrewritten transformers < 5.15
+    model, of the expanded K/V it was handed)."""
 
-    is_compileable = False
     is_sliding = False
     is_croppable = True
 
@@ -87,37 +100,103 @@ class MLACacheLayer(CacheLayerMixin):
         self.store, self.layer_idx = store, layer_idx
         # Static mode keeps every length on the device: a decode step compiles once.
         self.is_compileable = store.static
+        self.mode: str | None = None  # "latent" or "expanded", fixed by the first update
+        self.expanded: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.store.get(key_states, value_states)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new latents (``[B, 1, S, L]``, ``[B, 1, S, R]``); return all of them."""
+        """Store the new tokens; return the keys and values attention reads (see the module
+        docstring for each transformers version)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not LATENT_ATTENTION:
+            if self.store.static:
+                return self._update_traced_expanded(key_states, value_states)
+            return self._update_expanded(key_states, value_states)
         if key_states.dim() != 4 or key_states.shape[1] != 1 or value_states.shape[1] != 1:
             raise ValueError(
                 "MLACache stores MLA latents [batch, 1, S, L] and [batch, 1, S, R]; got "
                 f"{tuple(key_states.shape)} and {tuple(value_states.shape)}: this attention "
-                "caches per-head keys and values (transformers <= 5.14 or a non-MLA layer)"
+                "caches per-head keys and values (a non-MLA layer?)"
             )
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        self._check_compile_mode()
+        self._set_mode("latent")
+        cache = self.store.get(key_states.shape[0], key_states.dtype, key_states.device)
+        cache.append(self.layer_idx, key_states[:, 0], value_states[:, 0])
+        # [B, T, L], [B, T, R]; static: T = capacity, zero past the length (the mask hides it)
+        kv_c, k_pe = cache.rows(self.layer_idx)
+        return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
+
+    def _check_compile_mode(self) -> None:
         if not self.store.static and torch.compiler.is_compiling():
             raise RuntimeError(
                 "MLACache(static=False) grows its pages and lengths on the host, which "
                 "torch.compile would guard on at every step: use MLACache(..., static=True) "
                 "with torch.compile"
             )
-        cache = self.store.cache
-        cache.append(self.layer_idx, key_states[:, 0], value_states[:, 0])
-        # [B, T, L], [B, T, R]; static: T = capacity, zero past the length (the mask hides it)
-        kv_c, k_pe = cache.rows(self.layer_idx)
-        return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
+
+    def _update_traced_expanded(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers < 5.15, static mode: the marker op fx_passes rewrites."""
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "MLACache(static=True) with transformers < 5.15 stores latents, which the "
+                "attention of these releases does not hand over: run the model through "
+                "torch.compile(model.forward, backend='mla') (its rewrite stores latents), or use "
+                "MLACache(static=False) (stores the expanded K/V) or DynamicCache"
+            )
+        self._set_mode("latent")
+        cache = self.store.get(key_states.shape[0], key_states.dtype, key_states.device)
+        return torch.ops.mla.expanded_kv_update(
+            key_states,
+            value_states,
+            cache.pools[self.layer_idx],
+            cache.block_table,
+            cache.seqlens[self.layer_idx],
+        )
+
+    def _update_expanded(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers < 5.15, eager (an unrewritten model): keep the expanded K/V."""
+        self._check_compile_mode()
+        if self.mode is None and self.layer_idx == 0:
+            warnings.warn(
+                "MLACache: this transformers (< 5.15) attention hands the cache expanded per-head "
+                "K/V and the model is not rewritten, so they are stored as they are (no memory "
+                "saving); torch.compile(model.forward, backend='mla') with MLACache(static=True) "
+                "stores latents",
+                stacklevel=3,
+            )
+        self._set_mode("expanded")
+        if self.expanded is None:
+            self.expanded = (key_states, value_states)
+        else:
+            keys, values = self.expanded
+            self.expanded = (
+                torch.cat([keys, key_states], dim=-2),
+                torch.cat([values, value_states], dim=-2),
+            )
+        return self.expanded
+
+    def _set_mode(self, mode: str) -> None:
+        if self.mode not in (None, mode):
+            raise RuntimeError(
+                f"MLACache layer {self.layer_idx} holds {self.mode} rows and was handed {mode} "
+                "ones: with transformers < 5.15 run every step of a generation through "
+                "torch.compile(backend='mla') (latents) or none (expanded K/V); reset() between"
+            )
+        self.mode = mode
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Static mode returns (and masks) the whole capacity; Hugging Face may build this mask
+        # outside the compiled forward, so it cannot depend on whether tracing is on.
         if self.store.static:
             return self.store.capacity, 0
         return self.get_seq_length() + query_length, 0
@@ -125,6 +204,8 @@ class MLACacheLayer(CacheLayerMixin):
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens cached per sequence; static mode: a 0-dim device tensor (as Hugging Face's
         ``StaticLayer``), so reading it needs no host sync and adds no guard."""
+        if self.mode == "expanded":
+            return self.expanded[0].shape[-2]
         cache = self.store.cache
         if cache is None:
             return 0
@@ -138,8 +219,12 @@ class MLACacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.store.cache is not None:
             self.store.cache.crop(0, layer=self.layer_idx)
+        self.mode, self.expanded = None, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.expanded is not None:
+            index = beam_idx.to(self.expanded[0].device)
+            self.expanded = tuple(t.index_select(0, index) for t in self.expanded)
         if self.store.cache is not None:
             self.store.cache.reorder(beam_idx, layer=self.layer_idx)
 
@@ -149,6 +234,8 @@ class MLACacheLayer(CacheLayerMixin):
             raise ValueError(
                 f"crop takes a negative number of tokens to remove, got {tokens_to_remove}"
             )
+        if tokens_to_remove < 0 and self.expanded is not None:
+            self.expanded = tuple(t[..., :tokens_to_remove, :] for t in self.expanded)
         if tokens_to_remove < 0 and self.store.cache is not None:
             self.store.cache.crop(tokens_to_remove, layer=self.layer_idx)
 
@@ -178,11 +265,33 @@ class MLACache(Cache):
         static: bool = False,
         num_pages: int | None = None,
     ) -> None:
-        num_layers = config.get_text_config().num_hidden_layers
-        self.store = _SharedStore(num_layers, max_length, page_size, static, num_pages)
-        super().__init__(layers=[MLACacheLayer(self.store, i) for i in range(num_layers)])
+        text = config.get_text_config()
+        kv_len, rope_len = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", 0)
+        if kv_len is None:
+            raise ValueError(
+                f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
+            )
+        self.store = _SharedStore(
+            text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages
+        )
+        super().__init__(
+            layers=[MLACacheLayer(self.store, i) for i in range(text.num_hidden_layers)]
+        )
 
     @property
     def paged(self) -> PagedLatentCache | None:
         """The storage (``None`` before the first update)."""
         return self.store.cache
+
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token occupies summed over the layers, as stored: one latent row
+        ``(L+R) x element size`` per layer, or the expanded K/V ``H x (P+R+V) x element size``
+        per layer an unrewritten transformers < 5.15 model handed over. 0 before the first
+        update."""
+        total = 0
+        for layer in self.layers:
+            if layer.mode == "expanded":
+                total += sum(t[0, :, 0].numel() * t.element_size() for t in layer.expanded)
+            elif layer.mode == "latent":
+                total += self.store.cache.bytes_per_token_per_layer()
+        return total

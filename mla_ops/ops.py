@@ -422,6 +422,82 @@ def _paged_rows_fake(
     return pool.new_empty((batch, max_pages * pool.shape[1], pool.shape[2]))
 
 
+# --- mla::paged_append ------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mla::paged_append", mutates_args=("pool", "cache_seqlens"))
+def paged_append(
+    pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Write ``rows [B, S, D]`` at token positions ``cache_seqlens .. cache_seqlens + S - 1`` of
+    each sequence's pages, then add S to ``cache_seqlens``; in place, no host read.
+
+    A position past the block table's capacity rewrites the sequence's last row instead: no write
+    leaves the sequence's own pages (the caller checks the capacity where it can read lengths;
+    ``mla_decode``'s value checks then report the overlong sequence).
+    """
+    check_paged_rows_args(pool, block_table, cache_seqlens)
+    if rows.dim() != 3 or rows.shape[0] != block_table.shape[0] or rows.shape[2] != pool.shape[2]:
+        _fail(
+            f"rows must be [batch={block_table.shape[0]}, S, {pool.shape[2]}], got "
+            f"{tuple(rows.shape)}"
+        )
+    page_size = pool.shape[1]
+    capacity = block_table.shape[1] * page_size
+    new = torch.arange(rows.shape[1], device=pool.device)
+    positions = (cache_seqlens.long()[:, None] + new).clamp_max(capacity - 1)  # [B, S]
+    pages = block_table.long().gather(1, positions // page_size)  # [B, S]
+    slots = pages * page_size + positions % page_size  # [B, S] row in the pool
+    flat = pool.view(-1, pool.shape[2])
+    flat.index_copy_(0, slots.reshape(-1), rows.reshape(-1, rows.shape[2]).to(pool.dtype))
+    cache_seqlens.add_(rows.shape[1])
+
+
+@paged_append.register_fake
+def _paged_append_fake(
+    pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor, rows: torch.Tensor
+) -> None:
+    check_paged_rows_args(pool, block_table, cache_seqlens)
+
+
+# --- mla::expanded_kv_update: a marker for fx_passes --------------------------------------------
+
+
+@torch.library.custom_op("mla::expanded_kv_update", mutates_args=())
+def expanded_kv_update(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a latent cache receives from attention that caches expanded K/V (transformers
+    <= 5.14): the new ``key_states [B, H, S, P+R]`` and ``value_states [B, H, S, V]``, which
+    the cache cannot store as latents. It only exists in a traced graph, where ``fx_passes``
+    replaces it by a latent append and a re-expansion of the cache (``[B, H, capacity, .]``);
+    running it means the graph was not rewritten.
+    """
+    raise RuntimeError(
+        "mla::expanded_kv_update ran un-rewritten: an MLACache under torch.compile with "
+        "transformers < 5.15 needs backend='mla' (or 'mla_eager'), whose rewrite stores latents"
+    )
+
+
+@expanded_kv_update.register_fake
+def _expanded_kv_update_fake(
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads = key_states.shape[:2]
+    capacity = block_table.shape[1] * pool.shape[1]
+    keys = key_states.new_empty((batch, heads, capacity, key_states.shape[-1]))
+    values = value_states.new_empty((batch, heads, capacity, value_states.shape[-1]))
+    return keys, values
+
+
 # --- public wrappers -------------------------------------------------------------------------
 
 

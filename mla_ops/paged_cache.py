@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from . import ops  # noqa: F401  (registers mla::paged_rows, used by rows())
+from . import ops  # noqa: F401  (registers mla::paged_rows / paged_append, used below)
 
 
 class PagedLatentCache:
@@ -142,14 +142,12 @@ class PagedLatentCache:
                 f"cache capacity exceeded: {start} + {new} tokens > max_length={self.max_length}"
             )
         self._allocate_pages(math.ceil(end / self.page_size))
-        positions = torch.arange(start, end, device=self.device)[None, :]  # [1, S]
-        self._write(layer, positions.expand(self.batch_size, -1), kv_c, k_pe)
+        rows = torch.cat([kv_c, k_pe], dim=-1)  # [B, S, L+R]
+        # the device lengths equal the host ones (start) here; paged_append advances them
+        torch.ops.mla.paged_append(self.pools[layer], self.block_table, self.seqlens[layer], rows)
         self._lengths[layer] = end
-        self.seqlens[layer].fill_(end)
 
-    def _append_at_device_lengths(
-        self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor
-    ) -> None:
+    def _append_at_device_lengths(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Static mode: positions from the device lengths, no host read (compiles once)."""
         lengths = self.seqlens[layer]  # [B] int32
         new = kv_c.shape[1]
@@ -161,22 +159,8 @@ class PagedLatentCache:
                     f"cache capacity exceeded: {end - new} + {new} tokens > "
                     f"max_length={self.max_length} (static cache)"
                 )
-        positions = lengths.long()[:, None] + torch.arange(new, device=self.device)  # [B, S]
-        # Past capacity (only reachable where the check above cannot run) the last row is
-        # rewritten instead: no write leaves the sequence's own pages, and the length then
-        # exceeds the capacity, which mla_decode's value checks report.
-        self._write(layer, positions.clamp_max(self.capacity - 1), kv_c, k_pe)
-        lengths.add_(new)
-
-    def _write(
-        self, layer: int, positions: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor
-    ) -> None:
-        """Rows ``[B, S, L+R]`` to token ``positions [B, S]`` of each sequence's pages."""
-        pages = self.block_table.long().gather(1, positions // self.page_size)  # [B, S]
-        slots = pages * self.page_size + positions % self.page_size  # [B, S] row in the pool
-        rows = torch.cat([kv_c, k_pe], dim=-1).to(self.dtype)  # [B, S, L+R]
-        pool = self.pools[layer].view(-1, self.kv_len + self.rope_len)
-        pool.index_copy_(0, slots.reshape(-1), rows.reshape(-1, rows.shape[-1]))
+        rows = torch.cat([kv_c, k_pe], dim=-1)  # [B, S, L+R]
+        torch.ops.mla.paged_append(self.pools[layer], self.block_table, lengths, rows)
 
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored rows of ``layer`` in token order: ``kv_c [B, T, L]``, ``k_pe [B, T, R]``.

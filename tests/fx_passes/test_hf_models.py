@@ -14,47 +14,19 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.fx_passes.tiny_models import FAMILIES, FULLGRAPH, tiny_model
+from tests.fx_passes.tiny_models import (
+    FAMILIES,
+    attention_layers,
+    left_padded_batch,
+    relative_error,
+    rewritten,
+    tiny_model,
+    truth_model,
+)
 
 transformers = pytest.importorskip("transformers")
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 15):
     pytest.skip("latent-cache attention needs transformers >= 5.15", allow_module_level=True)
-
-
-def left_padded_batch(lengths: tuple[int, ...], seed: int = 0, vocab: int = 128):
-    """``input_ids [B, max_len]`` and ``attention_mask`` with left padding (pad id 0)."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
-        mask[b, width - n :] = 1
-    return ids, mask
-
-
-def rewritten(model, backend: str = "mla_eager"):
-    """The model with its forward compiled by ``backend``; fullgraph wherever the original
-    compiles so (the rewrite adds no graph break)."""
-    torch._dynamo.reset()
-    counters.clear()
-    fullgraph = FULLGRAPH.get(model.config.model_type, True)
-    model.forward = torch.compile(model.forward, backend=backend, fullgraph=fullgraph)
-    return model
-
-
-def truth_model(model):
-    """The same weights with SDPA attention: the float64 reference."""
-    config = copy.deepcopy(model.config)
-    exact = type(model)._from_config(
-        config, dtype=torch.float64, attn_implementation="sdpa", experts_implementation="batched_mm"
-    )
-    exact.load_state_dict(model.state_dict())
-    return exact.eval()
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def decode_step_logits(model, exact, ids, mask):
@@ -68,10 +40,6 @@ def decode_step_logits(model, exact, ids, mask):
         original = model(next_ids, attention_mask=mask, past_key_values=copy.deepcopy(cache_copy))
         got = rewritten(model)(next_ids, attention_mask=mask, past_key_values=cache_copy).logits
     return got, want, original.logits
-
-
-def attention_layers(model) -> int:
-    return sum(1 for name, _ in model.named_modules() if name.endswith("kv_b_proj"))
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,15 +74,18 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
     raise ValueError(f"unknown family {family!r}")
 
 
-FAMILIES = [
-    "deepseek_v2",
-    "deepseek_v3",
-    "minicpm3",
-    "glm4_moe_lite",
-    "longcat_flash",
-    "mistral4",
-    "kimi_linear",  # no RoPE on its MLA layers
-]
+CONFIG_CLASSES = {
+    "deepseek_v2": "DeepseekV2Config",
+    "deepseek_v3": "DeepseekV3Config",
+    "minicpm3": "MiniCPM3Config",
+    "glm4_moe_lite": "Glm4MoeLiteConfig",
+    "longcat_flash": "LongcatFlashConfig",
+    "mistral4": "Mistral4Config",
+    "kimi_linear": "KimiLinearConfig",  # no RoPE on its MLA layers
+}
+# The tested families this transformers release has (kimi_linear arrived after 5.14).
+FAMILIES = [f for f, config in CONFIG_CLASSES.items() if hasattr(transformers, config)]
+LATENT_ATTENTION = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 15)
 
 # LongCat-Flash's MoE loops over the experts hit (data-dependent, its own code ignores
 # experts_implementation): the original model does not compile with fullgraph=True.
@@ -107,3 +113,43 @@ def tiny_model(
         config, dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm"
     )
     return model.eval()
+
+
+def left_padded_batch(lengths: tuple[int, ...], seed: int = 0, vocab: int = 128):
+    """``input_ids [B, max_len]`` and ``attention_mask`` with left padding (pad id 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[b, width - n :] = 1
+    return ids, mask
+
+
+def rewritten(model, backend: str = "mla_eager"):
+    """The model with its forward compiled by ``backend``; fullgraph wherever the original
+    compiles so (the rewrite adds no graph break)."""
+    torch._dynamo.reset()
+    counters.clear()
+    fullgraph = FULLGRAPH.get(model.config.model_type, True)
+    model.forward = torch.compile(model.forward, backend=backend, fullgraph=fullgraph)
+    return model
+
+
+def truth_model(model):
+    """The same weights with SDPA attention: the float64 reference."""
+    config = copy.deepcopy(model.config)
+    exact = type(model)._from_config(
+        config, dtype=torch.float64, attn_implementation="sdpa", experts_implementation="batched_mm"
+    )
+    exact.load_state_dict(model.state_dict())
+    return exact.eval()
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def attention_layers(model) -> int:
+    return sum(1 for name, _ in model.named_modules() if name.endswith("kv_b_proj"))

@@ -50,7 +50,39 @@ def combine_samples(device: str):
     )
 
 
-SAMPLES = {"mla::decode": decode_samples, "mla::combine": combine_samples}
+def paged_samples(device: str):
+    """``(pool, block_table, cache_seqlens)`` with every table entry a valid page."""
+    gen = torch.Generator().manual_seed(24)
+    for page_size, lengths in ((1, [0, 5]), (3, [7, 2]), (4, [8, 8])):
+        max_pages = 4
+        pool = torch.randn(2 * max_pages + 1, page_size, 24, generator=gen).to(device)
+        table = torch.randperm(pool.shape[0], generator=gen)[: 2 * max_pages].reshape(2, -1)
+        lengths = torch.tensor(lengths, dtype=torch.int32)
+        yield pool, table.to(torch.int32).to(device), lengths.to(device)
+
+
+def paged_rows_samples(device: str):
+    yield from paged_samples(device)
+
+
+def paged_append_samples(device: str):
+    for pool, block_table, cache_seqlens in paged_samples(device):
+        new = 2
+        capacity = block_table.shape[1] * pool.shape[1]
+        lengths = cache_seqlens.clamp_max(capacity - new)
+        rows = torch.randn(block_table.shape[0], new, pool.shape[2], device=device)
+        yield (pool, block_table, lengths, rows)
+
+
+SAMPLES = {
+    "mla::decode": decode_samples,
+    "mla::combine": combine_samples,
+    "mla::paged_rows": paged_rows_samples,
+    "mla::paged_append": paged_append_samples,
+}
+# Ops that exist only to be rewritten in a traced graph: running one is an error (tested in
+# tests/mla_ops/test_paged_ops.py), so opcheck cannot run them.
+MARKERS = {"mla::expanded_kv_update"}
 
 
 def registered_mla_ops() -> list[str]:
@@ -61,7 +93,7 @@ def registered_mla_ops() -> list[str]:
 
 def test_every_registered_op_has_samples() -> None:
     ops = registered_mla_ops()
-    assert ops == sorted(SAMPLES), f"ops {ops} vs samples {sorted(SAMPLES)}"
+    assert ops == sorted([*SAMPLES, *MARKERS]), f"ops {ops} vs samples {sorted(SAMPLES)}"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -35,7 +35,7 @@ def fill(cache: PagedLatentCache, steps: list[int], seed: int = 0):
 
 
 def stored_rows(cache: PagedLatentCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``stored_rows(cache, layer)`` cut to the stored length; a static cache returns the whole capacity,
+    """``cache.rows(layer)`` cut to the stored length; a static cache returns the whole capacity,
     zero past the length, which is checked here."""
     kv_c, k_pe = cache.rows(layer)
     length = cache.get_seq_length(layer)
