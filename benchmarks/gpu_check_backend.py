@@ -7,8 +7,7 @@ import torch
 import transformers
 from torch._dynamo.utils import counters
 
-from tests.fx_passes.test_hf_models import left_padded_batch
-from tests.fx_passes.tiny_models import tiny_model
+from tests.fx_passes.tiny_models import left_padded_batch, tiny_model
 
 for dtype in (torch.float32, torch.bfloat16):
     model = tiny_model("deepseek_v3", dtype=dtype).cuda()

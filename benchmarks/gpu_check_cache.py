@@ -1,0 +1,139 @@
+"""GPU check of the latent cache: a DeepSeek-V2-Lite-shaped model (random bf16 weights, a few
+layers) generating with Hugging Face's default cache vs torch.compile(backend="mla") +
+MLACache(static=True); tokens, decode time per token, cache bytes per token, peak memory.
+
+Run on the device machine (the package is on PYTHONPATH, the backend is passed as a callable):
+
+    PYTHONPATH=. python3 benchmarks/gpu_check_cache.py --out $OUT/cache.json
+
+The same script under an older transformers (PYTHONPATH=<dir with transformers 5.14>:.) measures
+the expanded-K/V default cache against the rewritten model's latent cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+
+from fx_passes.backend import mla
+from mla_ops.hf_cache import LATENT_ATTENTION, MLACache
+
+
+def v2_lite(layers: int) -> torch.nn.Module:
+    """DeepSeek-V2-Lite's attention and MoE shapes, random weights, ``layers`` layers."""
+    config = transformers.DeepseekV2Config(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=32768,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.DeepseekV2ForCausalLM._from_config(
+            config, dtype=torch.bfloat16, attn_implementation="sdpa"
+        )
+    return model.eval()
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the cache's tensors occupy now."""
+    if isinstance(cache, MLACache):
+        if cache.paged is None:
+            return sum(t.nbytes for layer in cache.layers for t in layer.expanded)
+        return sum(p.nbytes for p in cache.paged.pools) + cache.paged.block_table.nbytes
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def run(model, ids, new_tokens: int, cache_factory, label: str, repeats: int = 2) -> dict:
+    """Generate ``repeats`` times (the first compiles); report the last."""
+    result = {}
+    for _ in range(repeats):
+        cache = cache_factory()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        out = model.generate(
+            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            past_key_values=cache, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        torch.cuda.synchronize()
+        took = time.perf_counter() - start
+        past = out.past_key_values
+        tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
+        result = dict(
+            label=label,
+            seconds=took,
+            ms_per_step=1e3 * took / new_tokens,
+            peak_extra_mb=(torch.cuda.max_memory_allocated() - base) / 2**20,
+            cache_mb=cache_bytes(past) / 2**20,
+            cache_bytes_per_token=cache_bytes(past) / tokens,
+            sequences=out.sequences.cpu(),
+        )
+    print(
+        f"{label:<44} {result['ms_per_step']:8.2f} ms/step  peak +{result['peak_extra_mb']:8.1f} MB"
+        f"  cache {result['cache_mb']:8.1f} MB ({result['cache_bytes_per_token']:.0f} B/token)"
+    )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    model = v2_lite(args.layers)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 102400, (args.batch, args.prompt), generator=gen).cuda()
+    max_length = args.prompt + args.new_tokens
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
+        f"{transformers.__version__} (latent attention: {LATENT_ATTENTION}), "
+        f"{args.layers} layers, batch {args.batch}, prompt {args.prompt}, +{args.new_tokens}"
+    )
+    results = [run(model, ids, args.new_tokens, lambda: None, "Hugging Face default cache, eager")]
+    counters.clear()
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=mla, fullgraph=False)
+    results.append(
+        run(
+            model,
+            ids,
+            args.new_tokens,
+            lambda: MLACache(model.config, max_length=max_length, page_size=64, static=True),
+            'compile(backend="mla") + MLACache(static)',
+        )
+    )
+    same = (results[1]["sequences"] == results[0]["sequences"]).float().mean().item()
+    print(
+        f"tokens equal to the default-cache run: {same:.3f}; mla counters {dict(counters['mla'])}"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(
+                dict(
+                    device=torch.cuda.get_device_name(),
+                    torch=torch.__version__,
+                    transformers=transformers.__version__,
+                    args=vars(args),
+                    token_agreement=same,
+                    counters=dict(counters["mla"]),
+                    runs=[{k: v for k, v in r.items() if k != "sequences"} for r in results],
+                ),
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
