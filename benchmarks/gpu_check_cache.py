@@ -50,35 +50,40 @@ def cache_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def run(model, ids, new_tokens: int, cache_factory, label: str, repeats: int = 2) -> dict:
-    """Generate ``repeats`` times (the first compiles); report the last."""
-    result = {}
-    for _ in range(repeats):
-        cache = cache_factory()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        start = time.perf_counter()
-        out = model.generate(
-            ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-            past_key_values=cache, return_dict_in_generate=True, pad_token_id=0,
-        )  # fmt: skip
-        torch.cuda.synchronize()
-        took = time.perf_counter() - start
-        past = out.past_key_values
-        tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
-        result = dict(
-            label=label,
-            seconds=took,
-            ms_per_step=1e3 * took / new_tokens,
-            peak_extra_mb=(torch.cuda.max_memory_allocated() - base) / 2**20,
-            cache_mb=cache_bytes(past) / 2**20,
-            cache_bytes_per_token=cache_bytes(past) / tokens,
-            sequences=out.sequences.cpu(),
-        )
+def generate(model, ids, new_tokens: int, cache) -> tuple[float, object]:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+        past_key_values=cache, return_dict_in_generate=True, pad_token_id=0,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def run(model, ids, new_tokens: int, cache_factory, label: str) -> dict:
+    """Warm up (compiles), then time a prefill-only generation and a full one: decode time per
+    step is their difference over ``new_tokens - 1`` steps. Peak memory of the full one."""
+    generate(model, ids, new_tokens, cache_factory())
+    prefill_time, _ = generate(model, ids, 1, cache_factory())
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    took, out = generate(model, ids, new_tokens, cache_factory())
+    past = out.past_key_values
+    tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
+    result = dict(
+        label=label,
+        prefill_ms=1e3 * prefill_time,
+        decode_ms_per_step=1e3 * (took - prefill_time) / (new_tokens - 1),
+        peak_extra_mb=(torch.cuda.max_memory_allocated() - base) / 2**20,
+        cache_mb=cache_bytes(past) / 2**20,
+        cache_bytes_per_token=cache_bytes(past) / tokens,
+        sequences=out.sequences.cpu(),
+    )
     print(
-        f"{label:<44} {result['ms_per_step']:8.2f} ms/step  peak +{result['peak_extra_mb']:8.1f} MB"
-        f"  cache {result['cache_mb']:8.1f} MB ({result['cache_bytes_per_token']:.0f} B/token)"
+        f"{label:<44} prefill {result['prefill_ms']:7.1f} ms  decode "
+        f"{result['decode_ms_per_step']:6.2f} ms/step  peak +{result['peak_extra_mb']:7.1f} MB  "
+        f"cache {result['cache_mb']:6.1f} MB ({result['cache_bytes_per_token']:.0f} B/token)"
     )
     return result
 
