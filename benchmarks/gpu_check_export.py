@@ -16,7 +16,8 @@ import export
 from tests.fx_passes.tiny_models import tiny_model
 
 out_dir = sys.argv[1]
-model = tiny_model("deepseek_v3", dtype=torch.bfloat16).cuda()
+dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
+model = tiny_model("deepseek_v3", dtype=dtype).cuda()
 start = time.perf_counter()
 program = export.export_decode_step(model)
 print(f"export {time.perf_counter() - start:.1f} s {export.mla_op_counts(program)}")
@@ -27,7 +28,7 @@ for batch, cache_len in [(3, 7), (5, 100)]:
         want = export.DecodeStep(model)(*args)[0]
         got = program.module()(*args)[0]
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max())
-    print(f"ExportedProgram B={batch} T={cache_len}: relative error {error:.2e} (bf16)")
+    print(f"ExportedProgram B={batch} T={cache_len}: relative error {error:.2e} ({dtype})")
     cases.append((args, want))
 start = time.perf_counter()
 package = export.aoti.compile_package(program, f"{out_dir}/decode_cuda.pt2")
