@@ -81,11 +81,14 @@ class _SharedStore:
                 dtype=dtype,
                 device=device,
             )
-            if self.static and not torch.compiler.is_compiling():
-                # Fixed addresses: compiled graphs (and CUDA graphs) read them in place.
-                for tensor in [*self.cache.pools, self.cache.block_table, self.cache.seqlens]:
-                    torch._dynamo.mark_static_address(tensor)
+            self.mark_static()
         return self.cache
+
+    def mark_static(self) -> None:
+        """Fixed addresses (static mode): compiled graphs and CUDA graphs read them in place."""
+        if self.static and self.cache is not None and not torch.compiler.is_compiling():
+            for tensor in [*self.cache.pools, self.cache.block_table, self.cache.seqlens]:
+                torch._dynamo.mark_static_address(tensor)
 
 
 class MLACacheLayer(CacheLayerMixin):
@@ -239,11 +242,15 @@ class MLACacheLayer(CacheLayerMixin):
         if tokens_to_remove < 0 and self.store.cache is not None:
             self.store.cache.crop(tokens_to_remove, layer=self.layer_idx)
 
+    # Batch changes of the paged store happen once, in MLACache (all layers share it); a layer
+    # only regroups the expanded K/V it may hold.
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("MLACache has a fixed batch size (batch_repeat_interleave)")
+        if self.expanded is not None:
+            self.expanded = tuple(t.repeat_interleave(repeats, dim=0) for t in self.expanded)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("MLACache has a fixed batch size (batch_select_indices)")
+        if self.expanded is not None:
+            self.expanded = tuple(t[indices] for t in self.expanded)
 
 
 class MLACache(Cache):
@@ -282,6 +289,23 @@ class MLACache(Cache):
     def paged(self) -> PagedLatentCache | None:
         """The storage (``None`` before the first update)."""
         return self.store.cache
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences ``indices`` (in that order)."""
+        if self.store.cache is not None:
+            self.store.cache.regroup(torch.as_tensor(indices).reshape(-1))
+            self.store.mark_static()
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times in place (``[a, b] -> [a, a, b, b]``)."""
+        if self.store.cache is not None:
+            batch = self.store.cache.batch_size
+            self.store.cache.regroup(torch.arange(batch).repeat_interleave(repeats))
+            self.store.mark_static()
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
 
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies summed over the layers, as stored: one latent row

@@ -198,6 +198,43 @@ class PagedLatentCache:
         for pool in self.pools if layer is None else [self.pools[layer]]:
             pool[mine] = pool[mine[index]]  # the right side is gathered first: a safe copy
 
+    def regroup(self, sources: torch.Tensor) -> None:
+        """A new batch whose sequence ``i`` is a copy of sequence ``sources[i]`` (any length:
+        batch selection, or ``repeat_interleave`` for several samples per prompt).
+
+        Rows are copied into the new sequences' own pages; pages are never shared. The block
+        table and length tensors are replaced (new addresses: a compiled step recompiles once).
+        A static cache needs ``len(sources) x pages_per_seq`` pages in its pools.
+        """
+        sources = torch.as_tensor(sources, dtype=torch.long).reshape(-1)
+        if sources.numel() == 0 or int(sources.min()) < 0 or int(sources.max()) >= self.batch_size:
+            raise ValueError(
+                f"sources must be indices in [0, {self.batch_size}), got {sources.tolist()}"
+            )
+        new_batch = sources.numel()
+        needed = new_batch * (self.pages_per_seq if self.static else self._pages_allocated)
+        if needed > self.num_pages:
+            raise ValueError(
+                f"a batch of {new_batch} needs {needed} pages, the pools hold {self.num_pages}"
+            )
+        used = self._pages_allocated
+        old_pages = self.block_table[:, :used].long().cpu()  # [B, n]
+        # Gather every source's rows first (a copy), then lay the new batch out.
+        rows = [pool[old_pages[sources].to(self.device)] for pool in self.pools]
+        seqlens = self.seqlens[:, sources.to(self.device)].clone()
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._owned = [[] for _ in range(new_batch)]
+        self._pages_allocated = 0
+        self.batch_size = new_batch
+        self.block_table = torch.full(
+            (new_batch, self.pages_per_seq), -1, dtype=torch.int32, device=self.device
+        )
+        self._allocate_pages(self.pages_per_seq if self.static else used)
+        new_pages = self.block_table[:, :used].long()
+        for pool, copied in zip(self.pools, rows):
+            pool[new_pages] = copied
+        self.seqlens = seqlens
+
     def crop(self, max_length: int, layer: int | None = None) -> None:
         """Keep the first ``max_length`` tokens of every sequence (negative: drop that many).
 

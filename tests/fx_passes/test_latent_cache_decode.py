@@ -30,21 +30,27 @@ def latent_cache(model, page_size: int = 4, max_length: int = 64):
     return hf_cache.MLACache(model.config, max_length=max_length, page_size=page_size, static=True)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_generate_reads_pages_in_place(family: str) -> None:
-    """Float64, a left-padded batch, 24 new tokens: the original's tokens (default cache), every
-    decode site rewritten to the paged read, one prefill graph and one decode graph."""
-    model = tiny_model(family, yarn=family != "kimi_linear")
+CASES = [(family, "sdpa") for family in FAMILIES] + [("deepseek_v3", "eager")]
+
+
+@pytest.mark.parametrize(("family", "attn"), CASES)
+def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
+    """Float64, a left-padded batch, 32 new tokens: the original's tokens (default cache, SDPA
+    truth), every decode site rewritten to the paged read, one prefill and one decode graph.
+    Eager attention: prompts <= 8 tokens, so the prefill is rewritten too (as in
+    test_hf_models.py: the eager float64 prefill would write NaN at pad positions)."""
+    model = tiny_model(family, attn=attn, yarn=family != "kimi_linear")
     exact = truth_model(model)
-    ids, mask = left_padded_batch((5, 11), seed=4)
-    args = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    ids, mask = left_padded_batch((5, 11) if attn == "sdpa" else (3, 8), seed=4)
+    args = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     want = exact.generate(ids, **args, return_dict_in_generate=True)
     cache = latent_cache(model)
     got = rewritten(model).generate(ids, **args, past_key_values=cache)
     assert torch.equal(got, want.sequences)
     layers = attention_layers(model)
-    assert counters["mla"]["paged_sites"] == layers, dict(counters["mla"])
-    assert counters["mla"]["absorbed_sites"] == layers
+    rewritten_graphs = 1 if attn == "sdpa" else 2  # eager: the short prefill is rewritten too
+    assert counters["mla"]["paged_sites"] == rewritten_graphs * layers, dict(counters["mla"])
+    assert counters["mla"]["absorbed_sites"] == rewritten_graphs * layers
     if not LATENT_ATTENTION:  # prefill and decode graph each turned every update into latents
         assert counters["mla"]["latent_cache_updates"] == 2 * layers
 

@@ -106,3 +106,30 @@ def test_capacity_exceeded_is_a_clear_error(model) -> None:
         ValueError, match=r"cache capacity exceeded: 10 \+ 1 tokens > max_length=10"
     ):
         generate(model, cache, max_new_tokens=8, do_sample=False)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_batch_selection_and_repeat(model, static: bool) -> None:
+    """batch_select_indices / batch_repeat_interleave, then a decode step: the same logits as
+    DynamicCache after the same batch change."""
+    from transformers import DynamicCache
+
+    batch = left_padded_batch()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    for change, rows in (("select", [2, 0]), ("repeat", [2, 2, 0, 0])):
+        logits = []
+        for past in (
+            DynamicCache(config=model.config),
+            MLACache(model.config, max_length=64, page_size=4, static=static, num_pages=512),
+        ):
+            with torch.no_grad():
+                out = model(ids, attention_mask=mask, past_key_values=past)
+                past.batch_select_indices(torch.tensor([2, 0]))
+                if change == "repeat":
+                    past.batch_repeat_interleave(2)
+                next_ids = out.logits[rows, -1:].argmax(-1)
+                step_mask = torch.cat([mask[rows], torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
+                logits.append(
+                    model(next_ids, attention_mask=step_mask, past_key_values=past).logits
+                )
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)

@@ -114,6 +114,37 @@ def test_reorder_is_a_batch_gather(static: bool) -> None:
 
 
 @pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("sources", [[2, 0], [0, 0, 1, 1, 2, 2], [1]])
+def test_regroup_selects_and_repeats(static: bool, sources: list[int]) -> None:
+    """Batch selection and repeat_interleave: new sequence i holds sequence sources[i]'s rows in
+    pages of its own; appending afterwards touches only the new sequence."""
+    cache = make(5, static, num_pages=6 * 40)
+    expected = fill(cache, [23])
+    cache.regroup(torch.tensor(sources))
+    assert cache.batch_size == len(sources) and cache.seqlens.shape == (2, len(sources))
+    for layer in range(2):
+        kv_c, k_pe = stored_rows(cache, layer)
+        assert torch.equal(torch.cat([kv_c, k_pe], -1), expected[layer][sources])
+    used = cache.block_table[cache.block_table >= 0].tolist()
+    assert len(used) == len(set(used)), "regroup must copy rows, not share pages"
+    for layer in range(2):
+        new = torch.randn(len(sources), 2, L), torch.randn(len(sources), 2, R)
+        cache.append(layer, *new)
+        kv_c, _ = stored_rows(cache, layer)
+        assert torch.equal(kv_c[:, :23], expected[layer][sources][..., :L])
+        assert torch.equal(kv_c[:, 23:], new[0])
+
+
+def test_regroup_errors() -> None:
+    cache = make(5, True)
+    fill(cache, [4])
+    with pytest.raises(ValueError, match=r"sources must be indices in \[0, 3\)"):
+        cache.regroup(torch.tensor([3]))
+    with pytest.raises(ValueError, match="needs 240 pages, the pools hold 120"):
+        cache.regroup(torch.arange(3).repeat_interleave(2))
+
+
+@pytest.mark.parametrize("static", [False, True])
 def test_crop(static: bool) -> None:
     cache = make(4, static)
     expected = fill(cache, [30])
