@@ -31,7 +31,7 @@ $(LEGACY_VENV)/.installed: pyproject.toml Makefile
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) examples/decode.py
+	$(PY) examples/generate.py
 
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
