@@ -19,26 +19,10 @@ import time
 import torch
 import transformers
 from torch._dynamo.utils import counters
+from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.path
 
 from fx_passes.backend import mla
 from mla_ops.hf_cache import LATENT_ATTENTION, MLACache
-
-
-def v2_lite(layers: int) -> torch.nn.Module:
-    """DeepSeek-V2-Lite's attention and MoE shapes, random weights, ``layers`` layers."""
-    config = transformers.DeepseekV2Config(
-        vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=16,
-        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
-        n_group=1, topk_group=1, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=32768,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.DeepseekV2ForCausalLM._from_config(
-            config, dtype=torch.bfloat16, attn_implementation="sdpa"
-        )
-    return model.eval()
 
 
 def cache_bytes(cache) -> int:
