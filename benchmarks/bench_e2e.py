@@ -1,0 +1,251 @@
+"""End-to-end decode: a DeepSeek-V2-Lite-shaped Hugging Face model, one decode step at a given
+batch and context, four ways, on one GPU.
+
+* ``hf_eager``: Hugging Face as it is (SDPA, ``DynamicCache``);
+* ``hf_compile``: Hugging Face + ``torch.compile(mode="reduce-overhead")`` with its
+  ``StaticCache`` (what ``generate(cache_implementation="static", compile_config=...)`` runs);
+* ``mla``: ``torch.compile(backend="mla")`` + ``MLACache(static=True)``;
+* ``mla_graphs``: the same with ``mode="reduce-overhead"`` (CUDA graphs).
+
+Method: the model has random bf16 weights and ``--layers`` layers (the first dense, the rest
+MoE; per-layer figures scale). Each cache is filled with ``T`` random tokens through its own
+``update`` (no prefill: the prompt pass is not what is measured), then decode steps run on it;
+after warm-up (compilation), ``--steps`` steps are timed with CUDA events, median reported.
+Memory: peak allocated during the timed steps above what was allocated before them, and the
+cache's own bytes per token; "fits" = tokens (batch x context) that the card's free memory holds
+at that many bytes per token plus the measured step working memory, derived, not run.
+Attention share: CUDA time of the ``mla`` kernels in a profiled step of ``mla`` against
+``mla_decode`` timed alone at the same shapes (``triton.testing.do_bench``) x layers.
+
+    python benchmarks/bench_e2e.py        # all cases; writes results/e2e_*.json, .csv, .png
+    python benchmarks/bench_e2e.py --cases 32x8192 --variants mla,mla_graphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import functools
+import json
+import os
+import statistics
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from tqdm import tqdm
+from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.path
+
+import mla_ops
+from fx_passes.backend import mla
+from mla_ops.hf_cache import MLACache
+
+VARIANTS = ("hf_eager", "hf_compile", "mla", "mla_graphs")
+CASES = ("1x1024", "1x8192", "1x32768", "32x1024", "32x8192", "32x32768")
+
+
+def make_cache(variant: str, model, batch: int, capacity: int):
+    if variant == "hf_eager":
+        return transformers.DynamicCache(config=model.config)
+    if variant == "hf_compile":
+        return transformers.StaticCache(config=model.config, max_cache_len=capacity)
+    return MLACache(model.config, max_length=capacity, page_size=64, static=True)
+
+
+def fill(cache, model, batch: int, context: int) -> None:
+    """``context`` random tokens per sequence in every layer, through the cache's ``update``."""
+    config = model.config
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for layer in range(config.num_hidden_layers):
+        kv_c = torch.randn(batch, 1, context, config.kv_lora_rank, device="cuda", generator=gen)
+        k_pe = torch.randn(batch, 1, context, config.qk_rope_head_dim, device="cuda", generator=gen)
+        cache.update(kv_c.bfloat16(), k_pe.bfloat16(), layer)
+        del kv_c, k_pe
+    torch.cuda.empty_cache()
+
+
+def cache_bytes(cache) -> int:
+    if isinstance(cache, MLACache):
+        return sum(p.nbytes for p in cache.paged.pools)
+    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+
+
+def step_function(variant: str, model):
+    if variant == "hf_eager":
+        return model.forward
+    if variant == "hf_compile":
+        return torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    mode = "reduce-overhead" if variant == "mla_graphs" else None
+    return torch.compile(model.forward, backend=functools.partial(mla, mode=mode))
+
+
+def measure(variant: str, model, batch: int, context: int, args) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    capacity = context + args.warmup + args.steps + 1
+    cache = make_cache(variant, model, batch, capacity)
+    fill(cache, model, batch, context)
+    step = step_function(variant, model)
+    ids = torch.randint(3, 1000, (batch, 1), device="cuda")
+    times = []
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for i in range(args.warmup + args.steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = step(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            end.record()
+            ids = logits[:, -1:].argmax(-1)
+            if i >= args.warmup:
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+    step_ms = statistics.median(times)
+    cached_tokens = batch * capacity
+    result = dict(
+        variant=variant,
+        batch=batch,
+        context=context,
+        layers=model.config.num_hidden_layers,
+        step_ms=step_ms,
+        tokens_per_s=batch / step_ms * 1e3,
+        peak_step_mb=(torch.cuda.max_memory_allocated() - base) / 2**20,
+        cache_bytes_per_token=cache_bytes(cache) / cached_tokens,
+        mla_sites=dict(counters["mla"]),
+    )
+    if variant == "mla":
+        result.update(attention_share(step, model, cache, ids, batch, context))
+    del cache, step
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return result
+
+
+def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
+    """CUDA time of the mla kernels in one step vs mla_decode alone at the same shapes."""
+    import triton
+
+    with (
+        torch.no_grad(),
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
+    ):
+        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.device_time for e in events)
+    attention = sum(e.device_time for e in events if "_mla_" in e.name)  # decode + combine kernels
+    config = model.config
+    heads, kv_len, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    pages = -(-(context + 1) // 64)
+    q = torch.randn(batch, 1, heads, kv_len + rope, device="cuda", dtype=torch.bfloat16)
+    pool = torch.randn(batch * pages, 64, kv_len + rope, device="cuda", dtype=torch.bfloat16)
+    table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
+    lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
+    alone_ms = triton.testing.do_bench(
+        lambda: mla_ops.mla_decode(
+            q, pool, lengths, block_table=table, head_dim_v=kv_len, softmax_scale=0.1, causal=False
+        )
+    )
+    predicted_us = alone_ms * 1e3 * config.num_hidden_layers
+    return dict(
+        attention_us=attention,
+        step_device_us=total,
+        attention_share=attention / total if total else None,
+        kernel_bench_us=predicted_us,
+        attention_vs_kernel_bench=attention / predicted_us if predicted_us else None,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--cases", default=",".join(CASES), help="batch x context, comma-separated")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = parser.parse_args()
+
+    model = v2_lite(args.layers)
+    weights_mb = sum(p.nbytes for p in model.parameters()) / 2**20
+    free, _ = torch.cuda.mem_get_info()
+    device = torch.cuda.get_device_name()
+    print(f"{device}, torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"V2-Lite shapes x {args.layers} layers ({weights_mb:.0f} MB of weights)")  # fmt: skip
+    cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
+    variants = args.variants.split(",")
+    results = []
+    for (batch, context), variant in tqdm([(c, v) for c in cases for v in variants], desc="run"):
+        try:
+            result = measure(variant, model, batch, context, args)
+        except torch.OutOfMemoryError as error:
+            result = dict(
+                variant=variant, batch=batch, context=context, error=f"OOM: {error}"[:200]
+            )
+            torch.cuda.empty_cache()
+        except Exception as error:  # reported, not hidden: the table says it failed
+            result = dict(variant=variant, batch=batch, context=context,
+                          error=f"{type(error).__name__}: {error}"[:300])  # fmt: skip
+        if "step_ms" in result:
+            room = free - result["peak_step_mb"] * 2**20
+            result["fits_tokens"] = int(room / result["cache_bytes_per_token"])
+        results.append(result)
+        tqdm.write(json.dumps({k: v for k, v in result.items() if k != "mla_sites"}))
+
+    stamp = datetime.date.today().isoformat()
+    name = os.path.join(args.out, f"e2e_{device.replace(' ', '_')}_{stamp}")
+    meta = dict(device=device, torch=torch.__version__, transformers=transformers.__version__,
+                layers=args.layers, weights_mb=weights_mb, free_mb=free / 2**20,
+                date=stamp)  # fmt: skip
+    with open(name + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=results), f, indent=1)
+    keys = ["variant", "batch", "context", "step_ms", "tokens_per_s", "peak_step_mb",
+            "cache_bytes_per_token", "fits_tokens", "attention_share",
+            "attention_vs_kernel_bench", "error"]  # fmt: skip
+    with open(name + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"\n{'case':>9} " + " ".join(f"{v:>11}" for v in variants) + "   (tokens/s)")
+    for batch, context in cases:
+        row = {r["variant"]: r for r in results if (r["batch"], r["context"]) == (batch, context)}
+        cells = [f"{row[v]['tokens_per_s']:11.1f}" if "tokens_per_s" in row.get(v, {}) else
+                 f"{'failed':>11}" for v in variants]  # fmt: skip
+        print(f"{batch:>3}x{context:<5} " + " ".join(cells))
+    plot(results, cases, variants, name + ".png", meta)
+
+
+def plot(results, cases, variants, path, meta) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        values = []
+        for batch, context in cases:
+            match = [r for r in results if (r["variant"], r["batch"], r["context"]) ==
+                     (variant, batch, context) and "tokens_per_s" in r]  # fmt: skip
+            values.append(match[0]["tokens_per_s"] if match else 0)
+        ax.bar([j + i * width for j in range(len(cases))], values, width, label=variant)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+    ax.set_xticklabels([f"B={b}\nT={t}" for b, t in cases])
+    ax.set_ylabel("decode tokens/s")
+    ax.set_yscale("log")
+    ax.set_title(f"{meta['device']}, V2-Lite shapes x {meta['layers']} layers, bf16")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
