@@ -21,7 +21,8 @@ def v2_lite(layers: int, device: str = "cuda", dtype: torch.dtype = torch.bfloat
     config = transformers.DeepseekV2Config(**V2_LITE, num_hidden_layers=layers)
     torch.manual_seed(0)
     with torch.device(device):
+        # grouped_mm: the experts as one grouped GEMM (no per-expert Python loop), for every variant
         model = transformers.DeepseekV2ForCausalLM._from_config(
-            config, dtype=dtype, attn_implementation="sdpa"
+            config, dtype=dtype, attn_implementation="sdpa", experts_implementation="grouped_mm"
         )
     return model.eval()
