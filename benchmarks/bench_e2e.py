@@ -15,7 +15,7 @@ Memory: peak allocated during the timed steps above what was allocated before th
 cache's own bytes per token; "fits" = tokens (batch x context) that the card's free memory holds
 at that many bytes per token plus the measured step working memory, derived, not run.
 Attention share: CUDA time of the ``mla`` kernels in a profiled step of ``mla`` against
-``mla_decode`` timed alone at the same shapes (``triton.testing.do_bench``) x layers.
+``mla_decode`` timed alone at the same shapes (CUDA-graph replays) x layers.
 
     python benchmarks/bench_e2e.py        # all cases; writes results/e2e_*.json, .csv, .png
     python benchmarks/bench_e2e.py --cases 32x8192 --variants mla,mla_graphs
@@ -143,7 +143,7 @@ def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
     pool = torch.randn(batch * pages, 64, kv_len + rope, device="cuda", dtype=torch.bfloat16)
     table = torch.arange(batch * pages, device="cuda", dtype=torch.int32).view(batch, pages)
     lengths = torch.full((batch,), context + 1, device="cuda", dtype=torch.int32)
-    alone_ms = triton.testing.do_bench(
+    alone_ms = triton.testing.do_bench_cudagraph(  # replays: no launch overhead, as in the step
         lambda: mla_ops.mla_decode(
             q, pool, lengths, block_table=table, head_dim_v=kv_len, softmax_scale=0.1, causal=False
         )
