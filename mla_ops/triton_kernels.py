@@ -198,6 +198,25 @@ def _mla_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
+        # Visibility from the lengths, causality and the mask, known before any cache row is read.
+        visible = tok_ok[None, :] & (offs_n[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
+        if HAS_MASK:
+            # One mask row per query position, shared by its heads (rows of one s hit the cache).
+            in_mask = row_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
+            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms
+            m_ptr += offs_n[None, :] * stride_mt
+            if MASK_IS_BOOL:
+                visible = visible & in_mask & (tl.load(m_ptr, mask=in_mask, other=0) != 0)
+            else:
+                bias = tl.load(m_ptr, mask=in_mask, other=float("-inf")).to(tl.float32)
+                # At or below MASK_HIDDEN a bias hides the key (finfo.min masks): adding it would
+                # overflow in log2 units and leave the split's lse unable to hold log(n).
+                visible = visible & (bias > MASK_HIDDEN)
+            # A key hidden from every row here (left padding) is not read at all: it may hold NaN
+            # (Hugging Face's eager float64 prefill writes NaN at pad positions), and leaving it
+            # out of the load predicate costs nothing, where zeroing the loaded tile afterwards
+            # cost a pass over it (2.1-2.6x slower, benchmarks/NOTES.md item 15).
+            tok_ok = tok_ok & (tl.max(visible.to(tl.int32), 0) > 0)
         if USE_TMA:
             # The tile lies inside one page (split starts are multiples of GRANULE, a multiple of
             # BLOCK_N): one page id, one bulk copy per operand. Rows past the cache's end come
@@ -255,24 +274,9 @@ def _mla_decode_kernel(
             )
             n_bad += (tok_ok & ~ld).to(tl.int32)
         qk = qk * scale_log2
-        visible = ld[None, :] & (offs_n[None, :] <= last_key[:, None])
-        if HAS_MASK:
-            # One mask row per query position, shared by its heads (rows of one s hit the cache).
-            in_mask = row_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
-            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms
-            m_ptr += offs_n[None, :] * stride_mt
-            if MASK_IS_BOOL:
-                visible = visible & in_mask & (tl.load(m_ptr, mask=in_mask, other=0) != 0)
-            else:
-                bias = tl.load(m_ptr, mask=in_mask, other=float("-inf")).to(tl.float32)
-                # At or below MASK_HIDDEN a bias hides the key (finfo.min masks): adding it would
-                # overflow in log2 units and leave the split's lse unable to hold log(n).
-                visible = visible & (bias > MASK_HIDDEN)
-                qk += tl.where(bias > MASK_HIDDEN, bias, 0.0) * 1.4426950408889634
-            # A key hidden from every row here (left padding) may hold NaN (Hugging Face's eager
-            # float64 prefill writes NaN at pad positions): zero it so 0 x NaN stays out of P @ V.
-            seen = tl.max(visible.to(tl.int32), 0) > 0  # [BLOCK_N]
-            kv = tl.where(seen[:, None], kv, 0.0)
+        visible = visible & ld[None, :]
+        if HAS_MASK and not MASK_IS_BOOL:
+            qk += tl.where(bias > MASK_HIDDEN, bias, 0.0) * 1.4426950408889634
         qk = tl.where(visible, qk, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(qk, 1))
