@@ -22,8 +22,17 @@ def _dynamic_cache(config, past: CacheTensors = ()):
     return cache
 
 
-def _present(cache) -> CacheTensors:
-    return tuple((layer.keys, layer.values) for layer in cache.layers)
+def _step(model, input_ids, attention_mask, position_ids, past: CacheTensors):
+    """Run ``model`` over a ``DynamicCache`` holding ``past``: ``(logits, present)``."""
+    cache = _dynamic_cache(model.config, past)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits, tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
 class PrefillStep(torch.nn.Module):
@@ -37,15 +46,7 @@ class PrefillStep(torch.nn.Module):
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, CacheTensors]:
-        cache = _dynamic_cache(self.model.config)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out.logits, _present(cache)
+        return _step(self.model, input_ids, attention_mask, position_ids, ())
 
 
 class DecodeStep(torch.nn.Module):
@@ -65,15 +66,7 @@ class DecodeStep(torch.nn.Module):
         position_ids: torch.Tensor,
         past: CacheTensors,
     ) -> tuple[torch.Tensor, CacheTensors]:
-        cache = _dynamic_cache(self.model.config, past)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out.logits, _present(cache)
+        return _step(self.model, input_ids, attention_mask, position_ids, past)
 
 
 def prompt_inputs(

@@ -23,17 +23,18 @@ def float32_model(family: str):
     )
 
 
-def llama_model():
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).float().eval()
+def decode_dims(args) -> tuple:
+    """``dynamic_shapes`` of a ``DecodeStep``'s inputs: batch <= 64, cache length <= 200."""
+    batch = torch.export.Dim("batch", min=1, max=64)
+    past_len = torch.export.Dim("cache_len", min=1, max=200)
+    cache = {0: batch, 2: past_len}
+    return ({0: batch}, {0: batch, 1: past_len + 1}, {0: batch}, ((cache, cache),) * len(args[3]))
+
+
+def plain_decode_export(model, args):
+    """``torch.export`` of ``DecodeStep(model)`` as it is (no rewrite), ``decode_dims``."""
+    with torch.no_grad():
+        return torch.export.export(DecodeStep(model), args, dynamic_shapes=decode_dims(args))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -18,12 +18,14 @@ from tests.export.helpers import (
     EXPORT_FAMILIES,
     SHAPES,
     cached_values_per_token,
+    decode_dims,
     eager_decode,
     eager_prefill,
     float32_model,
-    llama_model,
+    plain_decode_export,
     relative_error,
 )
+from tests.fx_passes.tiny_models import llama_model
 
 
 @pytest.fixture(scope="module", params=EXPORT_FAMILIES)
@@ -55,12 +57,7 @@ def test_unrewritten_export_has_expanded_kv() -> None:
     """The negative control of the test above: the check sees expanded K/V when they exist."""
     model = float32_model("deepseek_v3")
     args = decode_inputs(model, 2, 16)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    past_len = torch.export.Dim("cache_len", min=1, max=200)
-    cache = {0: batch, 2: past_len}
-    dynamic = ({0: batch}, {0: batch, 1: past_len + 1}, {0: batch}, ((cache, cache),) * 2)
-    with torch.no_grad():
-        program = torch.export.export(export.DecodeStep(model), args, dynamic_shapes=dynamic)
+    program = plain_decode_export(model, args)
     config = model.config
     expanded = config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
     assert max(cached_values_per_token(program).values()) == expanded
@@ -140,12 +137,8 @@ def test_absorb_mla_on_exported_program() -> None:
     exportable again."""
     model = float32_model("deepseek_v2")
     args = decode_inputs(model, 2, 12)
-    batch = torch.export.Dim("batch", min=1, max=64)
-    past_len = torch.export.Dim("cache_len", min=1, max=200)
-    cache = {0: batch, 2: past_len}
-    dynamic = ({0: batch}, {0: batch, 1: past_len + 1}, {0: batch}, ((cache, cache),) * 2)
+    program = plain_decode_export(model, args)
     with torch.no_grad():
-        program = torch.export.export(export.DecodeStep(model), args, dynamic_shapes=dynamic)
         counters.clear()
         report = absorb_mla(program)
     assert report.rewritten == 2 and counters["mla"]["absorbed_sites"] == 2
@@ -157,7 +150,7 @@ def test_absorb_mla_on_exported_program() -> None:
         str(k): (int(v.lower), int(v.upper)) for k, v in program.range_constraints.items()
     }
     with torch.no_grad():
-        again = torch.export.export(new.module(), args, dynamic_shapes=dynamic)
+        again = torch.export.export(new.module(), args, dynamic_shapes=decode_dims(args))
         other = decode_inputs(model, 4, 30, seed=3)
         want = eager_decode(model, other)[0]
         assert relative_error(again.module()(*other)[0], want) <= 1e-4
@@ -165,7 +158,7 @@ def test_absorb_mla_on_exported_program() -> None:
 
 def test_program_without_mla_is_unchanged() -> None:
     """A Llama decode step: nothing found, the same program object back, same outputs."""
-    model = llama_model()
+    model = llama_model(torch.float32)
     args = decode_inputs(model, 2, 8)
     with torch.no_grad():
         program = torch.export.export(export.DecodeStep(model), args)

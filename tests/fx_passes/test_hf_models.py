@@ -18,6 +18,7 @@ from tests.fx_passes.tiny_models import (
     FAMILIES,
     attention_layers,
     left_padded_batch,
+    llama_model,
     relative_error,
     rewritten,
     tiny_model,
@@ -117,16 +118,7 @@ def test_greedy_generate_float64(family: str, attn: str) -> None:
 
 
 def test_no_mla_model_is_untouched() -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).double().eval()
+    model = llama_model()
     ids, mask = left_padded_batch((6, 4))
     args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **args)

@@ -153,3 +153,17 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def attention_layers(model) -> int:
     return sum(1 for name, _ in model.named_modules() if name.endswith("kv_b_proj"))
+
+
+def llama_model(dtype: torch.dtype = torch.float64):
+    """A tiny random Llama (no MLA): the negative control."""
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
