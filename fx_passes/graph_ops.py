@@ -54,6 +54,7 @@ _KINDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     ),
     "new_empty": ((aten.new_empty.default,), ("new_empty",)),
     "copy_": ((aten.copy_.default,), ("copy_",)),
+    "setitem": ((operator.setitem,), ()),  # x[..., a:b] = y in a dynamo graph
     "softmax": (
         (F.softmax, torch.softmax, aten.softmax.int, aten._softmax.default),
         ("softmax",),
@@ -193,6 +194,31 @@ def last_dim_range(node: Node) -> tuple[Node, int, int] | None:
             if isinstance(start, int) and isinstance(end, int):
                 return source, start, end
     return None
+
+
+def setitem_last_dim_range(node: Node) -> tuple[Node, int, int, Any] | None:
+    """``(target, start, end, value)`` of ``target[..., start:end] = value`` (also spelled
+    ``target[:, :, :, start:end]``), else None."""
+    if kind(node) != "setitem" or len(node.args) != 3:
+        return None
+    target, index, value = node.args
+    target_shape = shape(target)
+    if target_shape is None or not isinstance(index, tuple) or not index:
+        return None
+    *leading, last = index
+    full = slice(None, None, None)
+    if leading == [Ellipsis]:
+        pass
+    elif len(index) != len(target_shape) or any(i != full for i in leading):
+        return None
+    if not isinstance(last, slice) or last.step not in (None, 1):
+        return None
+    width = target_shape[-1]
+    start = 0 if last.start is None else last.start
+    end = width if last.stop is None else min(last.stop, width)
+    if not (isinstance(start, int) and isinstance(end, int)):
+        return None
+    return target, start, end, value
 
 
 def constant_float(value: Any) -> float | None:

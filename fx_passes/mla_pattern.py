@@ -7,6 +7,7 @@ keys and values both come from one ``kv_b_proj`` linear over the latent::
     kv   = kv.view(B, T, H, P+V).transpose(1, 2)                 # [B, H, T, P+V]
     k_nope, value = kv[..., :P], kv[..., P:]                     # split or slices
     key  = [k_nope | k_rot.expand(B, H, T, R)]                   # cat, or new_empty + 2 copy_
+                                                                 # or 2 slice assignments
     out  = attention(query [B, H, S, P+R], key, value, mask, scale)   # [B, H, S, V]
 
 Nothing is matched by module or class name, so every Hugging Face MLA family (and the same math
@@ -28,6 +29,7 @@ from .graph_ops import (
     last_dim_range,
     named_arg,
     normalize_dim,
+    setitem_last_dim_range,
     shape,
 )
 
@@ -212,6 +214,11 @@ def _key_parts(key: Node, internal: list[Node]) -> dict[tuple[int, int], Node]:
         parts = {}
         internal.append(key)
         for user in key.users:
+            assigned = setitem_last_dim_range(user)
+            if assigned is not None and assigned[0] is key:  # key[..., a:b] = piece
+                parts[(assigned[1], assigned[2])] = assigned[3]
+                internal.append(user)
+                continue
             piece = last_dim_range(user)
             if piece is None or piece[0] is not key:
                 continue  # the attention (or the eager transpose) reading the whole key

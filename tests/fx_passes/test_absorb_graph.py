@@ -36,10 +36,14 @@ class NaiveMLA(torch.nn.Module):
         k_rot = k_rot.expand(-1, H, -1, -1)
         if self.key_form == "cat":
             key = torch.cat([k_nope, k_rot], dim=-1)
-        else:  # Hugging Face's expand_kv
+        elif self.key_form == "new_empty":  # Hugging Face's expand_kv
             key = kv.new_empty(*kv.shape[:-1], P + R)
             key[..., :P].copy_(k_nope)
             key[..., P:].copy_(k_rot)
+        else:  # DeepSeek's original remote code: slice assignment
+            key = kv.new_empty(*kv.shape[:-1], P + R)
+            key[:, :, :, :P] = k_nope
+            key[:, :, :, P:] = k_rot
         if self.attention == "sdpa":
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3)
         else:
@@ -103,7 +107,7 @@ def node_targets(gm) -> list[str]:
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("key_form", ["cat", "new_empty"])
+@pytest.mark.parametrize("key_form", ["cat", "new_empty", "setitem"])
 def test_rewrites_every_spelling(key_form: str, attention: str) -> None:
     model = NaiveMLA(key_form, attention).double()
     args = inputs("bool" if attention == "sdpa" else "float")
