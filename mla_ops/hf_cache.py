@@ -12,7 +12,8 @@ the capacity, zero past the length, through ``mla::paged_rows``), so an unrewrit
 generates exactly as with ``DynamicCache``, and ``fx_passes`` turns the read into ``mla_decode``
 over the pages.
 
-transformers < 5.15: the attention hands the cache expanded per-head K/V. In static mode, under
+transformers < 5.15 (and DeepSeek's original remote code): the attention hands the cache expanded
+per-head K/V (told apart from latents by shape). In static mode, under
 ``torch.compile(backend="mla")``, the update is the marker op ``mla::expanded_kv_update``, which
 ``fx_passes`` replaces by a latent append and a re-expansion, so the model stores latents only
 (static mode run eagerly is refused with that advice). In growing mode (an unrewritten model)
@@ -117,16 +118,11 @@ class MLACacheLayer(CacheLayerMixin):
         docstring for each transformers version)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if not LATENT_ATTENTION:
+        if not self._is_latent(key_states, value_states):
+            # Expanded per-head K/V: transformers < 5.15, or DeepSeek's original remote code.
             if self.store.static:
                 return self._update_traced_expanded(key_states, value_states)
             return self._update_expanded(key_states, value_states)
-        if key_states.dim() != 4 or key_states.shape[1] != 1 or value_states.shape[1] != 1:
-            raise ValueError(
-                "MLACache stores MLA latents [batch, 1, S, L] and [batch, 1, S, R]; got "
-                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}: this attention "
-                "caches per-head keys and values (a non-MLA layer?)"
-            )
         self._check_compile_mode()
         self._set_mode("latent")
         cache = self.store.get(key_states.shape[0], key_states.dtype, key_states.device)
@@ -134,6 +130,16 @@ class MLACacheLayer(CacheLayerMixin):
         # [B, T, L], [B, T, R]; static: T = capacity, zero past the length (the mask hides it)
         kv_c, k_pe = cache.rows(self.layer_idx)
         return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
+
+    def _is_latent(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """``[B, 1, S, L]`` and ``[B, 1, S, R]``: what latent-caching attention hands over."""
+        return (
+            key_states.dim() == 4
+            and key_states.shape[1] == 1
+            and value_states.shape[1] == 1
+            and key_states.shape[-1] == self.store.kv_len
+            and value_states.shape[-1] == self.store.rope_len
+        )
 
     def _check_compile_mode(self) -> None:
         if not self.store.static and torch.compiler.is_compiling():
@@ -149,8 +155,8 @@ class MLACacheLayer(CacheLayerMixin):
         """transformers < 5.15, static mode: the marker op fx_passes rewrites."""
         if not torch.compiler.is_compiling():
             raise RuntimeError(
-                "MLACache(static=True) with transformers < 5.15 stores latents, which the "
-                "attention of these releases does not hand over: run the model through "
+                "MLACache(static=True) stores latents, which this attention (transformers < 5.15 "
+                "or remote code) does not hand over: run the model through "
                 "torch.compile(model.forward, backend='mla') (its rewrite stores latents), or use "
                 "MLACache(static=False) (stores the expanded K/V) or DynamicCache"
             )
@@ -171,10 +177,10 @@ class MLACacheLayer(CacheLayerMixin):
         self._check_compile_mode()
         if self.mode is None and self.layer_idx == 0:
             warnings.warn(
-                "MLACache: this transformers (< 5.15) attention hands the cache expanded per-head "
-                "K/V and the model is not rewritten, so they are stored as they are (no memory "
-                "saving); torch.compile(model.forward, backend='mla') with MLACache(static=True) "
-                "stores latents",
+                "MLACache: this attention (transformers < 5.15 or remote code) hands the cache "
+                "expanded per-head K/V and the model is not rewritten, so they are stored as they "
+                "are (no memory saving); torch.compile(model.forward, backend='mla') with "
+                "MLACache(static=True) stores latents",
                 stacklevel=3,
             )
         self._set_mode("expanded")

@@ -93,11 +93,18 @@ def test_reset_between_generations(model) -> None:
     assert torch.equal(generate(model, cache, **kw), first)
 
 
-def test_expanded_states_are_rejected() -> None:
+def test_expanded_states() -> None:
+    """Per-head K/V (remote-code attention, transformers < 5.15): a growing cache keeps them as
+    they are, with a warning; a static one needs the rewrite and says so."""
     config = DeepseekV3Config(q_lora_rank=48, **TINY)
+    keys, values = torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 16)
     cache = MLACache(config, max_length=16)
-    with pytest.raises(ValueError, match="MLACache stores MLA latents"):
-        cache.update(torch.randn(1, 4, 2, 32), torch.randn(1, 4, 2, 16), 0)
+    with pytest.warns(UserWarning, match="expanded per-head K/V"):
+        got = cache.update(keys, values, 0)
+    assert got[0] is keys and cache.layers[0].mode == "expanded"
+    static = MLACache(config, max_length=16, static=True)
+    with pytest.raises(RuntimeError, match="backend='mla'"):
+        static.update(keys, values, 0)
 
 
 def test_capacity_exceeded_is_a_clear_error(model) -> None:
