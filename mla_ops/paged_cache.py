@@ -148,11 +148,13 @@ class PagedLatentCache:
         self._lengths[layer] = end
 
     def _append_at_device_lengths(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
-        """Static mode: positions from the device lengths, no host read (compiles once)."""
+        """Static mode: positions from the device lengths (compiles once; no host read under
+        torch.compile)."""
         lengths = self.seqlens[layer]  # [B] int32
         new = kv_c.shape[1]
-        if not torch.compiler.is_compiling() and self.device.type != "cuda":
-            # A host read: off CUDA it costs nothing; on CUDA it would be a sync per layer.
+        if not torch.compiler.is_compiling() and (layer == 0 or self.device.type != "cuda"):
+            # A host read: on CUDA a sync, so once per step (layer 0; every layer advances
+            # together); under torch.compile none at all (see paged_append for what happens).
             end = int(lengths.max()) + new
             if end > self.max_length:
                 raise ValueError(
