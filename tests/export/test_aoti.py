@@ -11,7 +11,7 @@ import torch
 
 import export
 from export import decode_inputs
-from tests.export.helpers import SHAPES, eager_decode, float32_model
+from tests.export.helpers import EXPORT_FAMILIES, SHAPES, eager_decode, float32_model
 
 RUN_PACKAGE = """
 import sys, torch
@@ -36,8 +36,9 @@ except RuntimeError as error:
 
 
 @pytest.mark.slow
-def test_aoti_package_runs_in_fresh_process(tmp_path) -> None:
-    model = float32_model("deepseek_v3")
+@pytest.mark.parametrize("family", EXPORT_FAMILIES)
+def test_aoti_package_runs_in_fresh_process(tmp_path, family: str) -> None:
+    model = float32_model(family)
     program = export.export_decode_step(model)
     package = export.aoti.compile_package(program, tmp_path / "decode.pt2")
     cases = []
