@@ -66,8 +66,12 @@ def fill(cache, model, batch: int, context: int) -> None:
 
 
 def cache_bytes(cache) -> int:
+    """Bytes the cache's tensors occupy now (an MLACache: its pools and block table, or the
+    expanded K/V an unrewritten model handed it)."""
     if isinstance(cache, MLACache):
-        return sum(p.nbytes for p in cache.paged.pools)
+        if cache.paged is None:
+            return sum(t.nbytes for layer in cache.layers for t in layer.expanded)
+        return sum(p.nbytes for p in cache.paged.pools) + cache.paged.block_table.nbytes
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 

@@ -18,20 +18,12 @@ import time
 
 import torch
 import transformers
+from bench_e2e import cache_bytes  # benchmarks/ is the script's directory
 from torch._dynamo.utils import counters
 from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.path
 
 from fx_passes.backend import mla
 from mla_ops.hf_cache import LATENT_ATTENTION, MLACache
-
-
-def cache_bytes(cache) -> int:
-    """Bytes the cache's tensors occupy now."""
-    if isinstance(cache, MLACache):
-        if cache.paged is None:
-            return sum(t.nbytes for layer in cache.layers for t in layer.expanded)
-        return sum(p.nbytes for p in cache.paged.pools) + cache.paged.block_table.nbytes
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
 def generate(model, ids, new_tokens: int, cache) -> tuple[float, object]:

@@ -34,14 +34,13 @@ OPSET = 18
 TRANSLATIONS = ("standard", "custom")
 
 
-def _onnxscript():
+def _require_onnxscript() -> None:
     try:
-        import onnxscript
+        import onnxscript  # noqa: F401
     except ImportError as error:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "ONNX export needs onnx, onnxscript and onnxruntime: pip install 'mla-compile[onnx]'"
         ) from error
-    return onnxscript
 
 
 def _onnx_dtype(dtype: Any) -> int:
@@ -446,7 +445,7 @@ def export_onnx(
     Returns:
         the ``torch.onnx.ONNXProgram`` (``.model_proto``, ``.save``).
     """
-    _onnxscript()
+    _require_onnxscript()
     if not isinstance(program, torch.export.ExportedProgram):
         raise TypeError(
             "program must be a torch.export.ExportedProgram (e.g. from "

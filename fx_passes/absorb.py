@@ -248,7 +248,7 @@ def _absorb_program(program: torch.export.ExportedProgram, max_q_len: int) -> Ab
     module = program.module()
     report = absorb_mla(module, max_q_len=max_q_len)
     report.program = program
-    if report.rewritten:
+    if report.rewritten or report.latent_cache_updates:
         report.program = torch.export.export(
             module, args, dynamic_shapes=_dynamic_shapes_of(program)
         )

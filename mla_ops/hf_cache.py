@@ -31,7 +31,7 @@ import torch
 import transformers
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .paged_cache import PagedLatentCache
+from .paged_cache import PagedLatentCache, capacity_for
 
 # The first release whose MLA attention caches latents (kv_c, k_pe) instead of per-head K/V.
 MIN_TRANSFORMERS = (5, 15)
@@ -65,8 +65,8 @@ class _SharedStore:
 
     @property
     def capacity(self) -> int:
-        """Token positions per sequence: ``max_length`` rounded up to whole pages."""
-        return -(-self.max_length // self.page_size) * self.page_size
+        """Token positions per sequence, before the storage exists (``capacity_for``)."""
+        return capacity_for(self.max_length, self.page_size)
 
     def get(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> PagedLatentCache:
         if self.cache is None:

@@ -22,6 +22,12 @@ import torch
 from . import ops  # noqa: F401  (registers mla::paged_rows / paged_append, used below)
 
 
+def capacity_for(max_length: int, page_size: int) -> int:
+    """Token positions one sequence's block-table row addresses: ``max_length`` rounded up to
+    whole pages."""
+    return math.ceil(max_length / page_size) * page_size
+
+
 class PagedLatentCache:
     """Latent rows of ``num_layers`` layers for a batch of ``batch_size`` sequences.
 
@@ -107,9 +113,8 @@ class PagedLatentCache:
 
     @property
     def capacity(self) -> int:
-        """Token positions one sequence's block-table row addresses (``max_length`` rounded up
-        to whole pages)."""
-        return self.pages_per_seq * self.page_size
+        """Token positions one sequence's block-table row addresses (``capacity_for``)."""
+        return capacity_for(self.max_length, self.page_size)
 
     def get_seq_length(self, layer: int = 0) -> int:
         """Tokens stored per sequence in ``layer`` (a host read of the device length when

@@ -49,7 +49,9 @@ def test_static_cache_needs_the_rewrite() -> None:
 
 
 def test_mixing_expanded_and_latent_steps_is_refused() -> None:
-    """An eager (expanded) prefill, then a compiled (latent) step on the same cache."""
+    """A layer holding expanded rows refuses latent ones; and the way such a mix would arise
+    (an eager, expanded prefill, then a compiled step on the same growing cache) is refused at the
+    compiled step already."""
     model = tiny_model("deepseek_v3")
     ids, mask = left_padded_batch((3, 4), seed=3)
     cache = MLACache(model.config, max_length=32, page_size=4, static=False)
