@@ -45,7 +45,8 @@ def compile_decode(
         S_Q=s_q, H=heads, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
-        DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None,
+        DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None, MASK=None,
+        HAS_MASK=False, MASK_IS_BOOL=False, MASK_HIDDEN=tk.MASK_HIDDEN,
     )  # fmt: skip
     const.update(dict.fromkeys(UNIT_STRIDES, 1))
     signature, attrs = {}, {}

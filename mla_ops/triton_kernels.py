@@ -450,7 +450,9 @@ def default_config(
 
     Measured on an H200 with L=512 (benchmarks/NOTES.md, sweeps of 2026-11-22): 16-row programs are
     fastest with 32-token tiles and 4 warps, 64-row programs with 64-token tiles and 8 warps; two
-    pipeline stages beat three or four in both. fp32 needs smaller tiles to fit.
+    pipeline stages beat three or four in both. On an H100, 64-row programs are 30-46 % slower
+    with TMA loads than with per-token loads (NOTES.md item 17), so they use per-token loads;
+    16-row programs keep TMA (3 % faster there). fp32 needs smaller tiles to fit.
     """
     block_m = rows_per_program(query_rows)
     if _next_pow2(kv_len) <= 128:  # small test dims: registers are no concern
@@ -458,7 +460,8 @@ def default_config(
     elif block_m <= 16:
         cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
     else:
-        cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2)
+        tma = False if block_m >= 64 else None
+        cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, use_tma=tma)
     row = _next_pow2(kv_len) + (_next_pow2(rope_len) if rope_len else 0)
     while shared_memory_bytes(cfg, row, element_size) > shared_memory:
         if cfg.num_stages > 1:
@@ -520,8 +523,8 @@ def decode(
     # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     use_tma, why = tma_path(kv_c, k_pe, block_table, cfg.block_n)
-    if cfg.use_tma is not None:
-        use_tma = cfg.use_tma and use_tma
+    if cfg.use_tma is False and use_tma:
+        use_tma, why = False, "the tiling turns TMA off (DecodeConfig.use_tma=False)"
     if log.isEnabledFor(logging.DEBUG):
         log.debug("mla::decode kernel: %s loads (%s), %s", "TMA" if use_tma else "gather", why, cfg)
     kv_desc = _descriptor(kv_c, cfg.block_n) if use_tma else None
