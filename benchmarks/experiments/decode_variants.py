@@ -30,6 +30,20 @@ from mla_ops import triton_kernels as tk
 
 
 @triton.jit
+def _program_range(Q, SEQLENS, stride_qb, stride_qh, num_splits, H, BLOCK_M: tl.constexpr):
+    """This program's sequence, query-row pointers and token range (64-token split granule)."""
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    seqlen = tl.load(SEQLENS + b)
+    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), 64) * 64
+    start = split * chunk
+    return b64, split, rows, rows < H, Q + b64 * stride_qb + rows * stride_qh, start, \
+        tl.minimum(start + chunk, seqlen)  # fmt: skip
+
+
+@triton.jit
 def _rows_on_n_kernel(
     Q, KV_C, K_PE, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, KV_DESC, PE_DESC,
     stride_qb, stride_qh, stride_cp, stride_ct, stride_pp, stride_pt, stride_btb,
@@ -37,19 +51,12 @@ def _rows_on_n_kernel(
     H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MODE: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < H
+    b64, split, rows, row_ok, q_row, start, end = _program_range(
+        Q, SEQLENS, stride_qb, stride_qh, num_splits, H, BLOCK_M
+    )
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
     offs_t = tl.arange(0, BLOCK_N)
-    seqlen = tl.load(SEQLENS + b)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), 64) * 64
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen)
-    q_row = Q + b64 * stride_qb + rows * stride_qh
     q_t = tl.load(q_row[None, :] + offs_l[:, None], mask=row_ok[None, :], other=0.0)  # [L, BM]
     qpe_t = tl.load(q_row[None, :] + L + offs_r[:, None], mask=row_ok[None, :], other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -96,23 +103,25 @@ def _rows_on_n_kernel(
     tl.store(LSE_PART + b64 * stride_lb + rows * stride_lh + split * stride_lk, lse, mask=row_ok)
 
 
-def rows_on_n(inp: bd.Inputs, splits: int, bn: int, warps: int, stages: int, mode: int):
+def prototype(inp: bd.Inputs, splits: int, kernel, bn: int, warps: int, stages: int, **const):
+    """A prototype kernel + our combine on one input copy; ``MODE=2`` passes TMA descriptors."""
     kv_c, k_pe = inp.decode_cache()
     q = inp.q
     b, _, h, _ = q.shape
     out = torch.empty(b, 1, h, splits, bd.L, device=q.device, dtype=torch.float32)
     lse = torch.empty(b, 1, h, splits, device=q.device, dtype=torch.float32)
-    kd = tk._descriptor(kv_c, bn) if mode == 2 else None
-    pd = tk._descriptor(k_pe, bn) if mode == 2 else None
+    tma = const.get("MODE") == 2
+    kd = tk._descriptor(kv_c, bn) if tma else None
+    pd = tk._descriptor(k_pe, bn) if tma else None
 
     def fn():
-        _rows_on_n_kernel[(b, splits)](
+        kernel[(b, splits)](
             q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse, kd, pd,
             q.stride(0), q.stride(2), kv_c.stride(0), kv_c.stride(1), k_pe.stride(0),
             k_pe.stride(1), inp.block_table.stride(0), out.stride(0), out.stride(2),
             out.stride(3), lse.stride(0), lse.stride(2), lse.stride(3),
             bd.SCALE * 1.4426950408889634, splits, H=h, L=bd.L, R=bd.R,
-            PAGE_SIZE=kv_c.shape[1], BLOCK_M=16, BLOCK_N=bn, MODE=mode,
+            PAGE_SIZE=kv_c.shape[1], BLOCK_M=16, BLOCK_N=bn, **const,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return tk.combine(out, lse, torch.bfloat16)[0]
@@ -122,144 +131,36 @@ def rows_on_n(inp: bd.Inputs, splits: int, bn: int, warps: int, stages: int, mod
 
 # Two more prototypes, same stripped semantics, both splitting the 512 latent columns into
 # NC = L / LC chunks over a batched (3-D) dot whose batch dimension Triton spreads over the warps
-# (warpsPerCTA = [4, 1, 1]): "latent_chunks" sums per-chunk partial scores (one cross-warp
-# reduction per tile); "redundant_scores" has every warp compute the whole 16 x BLOCK_N score tile
-# (4x the QK work, no cross-warp traffic in the loop) and P @ V for its own 128 columns.
+# (warpsPerCTA = [4, 1, 1]). VARIANT 0, "latent_chunks": per-chunk partial scores summed (one
+# cross-warp reduction per tile). VARIANT 1 and 2, "redundant_scores": every warp computes the
+# whole BLOCK_M x BLOCK_N score tile (4x the QK work, no cross-warp traffic in the loop) and P @ V
+# for its own 128 columns, the value chunks loaded again (1) or reshaped from the tile (2).
 @triton.jit
 def _latent_chunks_kernel(
-    Q,
-    KV_C,
-    K_PE,
-    SEQLENS,
-    BLOCK_TABLE,
-    O_PART,
-    LSE_PART,
-    stride_qb,
-    stride_qh,
-    stride_cp,
-    stride_ct,
-    stride_pp,
-    stride_pt,
-    stride_btb,
-    stride_ob,
-    stride_oh,
-    stride_ok,
-    stride_lb,
-    stride_lh,
-    stride_lk,
-    scale_log2,
-    num_splits,
-    H: tl.constexpr,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    LC: tl.constexpr,
-    MODE: tl.constexpr,
-):
+    Q, KV_C, K_PE, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART, KV_DESC, PE_DESC,
+    stride_qb, stride_qh, stride_cp, stride_ct, stride_pp, stride_pt, stride_btb,
+    stride_ob, stride_oh, stride_ok, stride_lb, stride_lh, stride_lk, scale_log2, num_splits,
+    H: tl.constexpr, L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, LC: tl.constexpr, VARIANT: tl.constexpr,
+):  # fmt: skip
     NC: tl.constexpr = L // LC
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < H
+    b64, split, rows, row_ok, q_row, start, end = _program_range(
+        Q, SEQLENS, stride_qb, stride_qh, num_splits, H, BLOCK_M
+    )
     offs_c = tl.arange(0, NC)
-    offs_d = tl.arange(0, LC)
-    offs_r = tl.arange(0, R)
-    col3 = offs_c[:, None, None] * LC + offs_d[None, None, :]
-    seqlen = tl.load(SEQLENS + b)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), 64) * 64
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen)
-    q_row = Q + b64 * stride_qb + rows * stride_qh
-    q3 = tl.load(q_row[None, :, None] + col3, mask=row_ok[None, :, None], other=0.0)  # [NC, BM, LC]
-    q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([NC, BLOCK_M, LC], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        offs_n = tile_start + tl.arange(0, BLOCK_N)
-        tok_ok = offs_n < end
-        page = tl.load(BLOCK_TABLE + b64 * stride_btb + offs_n // PAGE_SIZE, mask=tok_ok, other=0)
-        row = page.to(tl.int64) * stride_cp + (offs_n % PAGE_SIZE) * stride_ct
-        prow = page.to(tl.int64) * stride_pp + (offs_n % PAGE_SIZE) * stride_pt
-        kv3 = tl.load(KV_C + row[None, :, None] + col3, mask=tok_ok[None, :, None], other=0.0)
-        kpe = tl.load(K_PE + prow[:, None] + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
-        s3 = tl.dot(q3, tl.permute(kv3, (0, 2, 1)))
-        qk = tl.sum(s3, 0) + tl.dot(q_pe, tl.trans(kpe))
-        qk = tl.where(tok_ok[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_shift)
-        p = tl.exp2(qk - m_shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p3 = tl.broadcast_to(p.to(kv3.dtype)[None, :, :], (NC, BLOCK_M, BLOCK_N))
-        acc = acc * alpha[None, :, None] + tl.dot(p3, kv3)
-        m_i = m_new
-    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / l_safe[None, :, None]
-    o_row = O_PART + b64 * stride_ob + rows * stride_oh + split * stride_ok
-    tl.store(o_row[None, :, None] + col3, out, mask=row_ok[None, :, None])
-    lse = (m_i + tl.log2(l_safe)) * 0.693
-    tl.store(LSE_PART + b64 * stride_lb + rows * stride_lh + split * stride_lk, lse, mask=row_ok)
-
-
-@triton.jit
-def _redundant_scores_kernel(
-    Q,
-    KV_C,
-    K_PE,
-    SEQLENS,
-    BLOCK_TABLE,
-    O_PART,
-    LSE_PART,
-    stride_qb,
-    stride_qh,
-    stride_cp,
-    stride_ct,
-    stride_pp,
-    stride_pt,
-    stride_btb,
-    stride_ob,
-    stride_oh,
-    stride_ok,
-    stride_lb,
-    stride_lh,
-    stride_lk,
-    scale_log2,
-    num_splits,
-    H: tl.constexpr,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    LC: tl.constexpr,
-    MODE: tl.constexpr,
-):
-    NC: tl.constexpr = L // LC
-    b = tl.program_id(0)
-    split = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < H
-    offs_c = tl.arange(0, NC)
-    offs_d = tl.arange(0, LC)
     offs_l = tl.arange(0, L)
     offs_r = tl.arange(0, R)
-    col3 = offs_c[:, None, None] * LC + offs_d[None, None, :]
-    seqlen = tl.load(SEQLENS + b)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), 64) * 64
-    start = split * chunk
-    end = tl.minimum(start + chunk, seqlen)
-    q_row = Q + b64 * stride_qb + rows * stride_qh
-    q = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)
+    col3 = offs_c[:, None, None] * LC + tl.arange(0, LC)[None, None, :]  # [NC, 1, LC]
     q_pe = tl.load(q_row[:, None] + L + offs_r[None, :], mask=row_ok[:, None], other=0.0)
-    q3 = tl.broadcast_to(q[None], (NC, BLOCK_M, L))
-    qpe3 = tl.broadcast_to(q_pe[None], (NC, BLOCK_M, R))
-    m_i = tl.full([NC, BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([NC, BLOCK_M], dtype=tl.float32)
+    if VARIANT == 0:
+        q3 = tl.load(q_row[None, :, None] + col3, mask=row_ok[None, :, None], other=0.0)
+        m_i = tl.full([1, BLOCK_M], float("-inf"), dtype=tl.float32)
+    else:
+        q = tl.load(q_row[:, None] + offs_l[None, :], mask=row_ok[:, None], other=0.0)
+        q3 = tl.broadcast_to(q[None], (NC, BLOCK_M, L))
+        qpe3 = tl.broadcast_to(q_pe[None], (NC, BLOCK_M, R))
+        m_i = tl.full([NC, BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros_like(m_i)
     acc = tl.zeros([NC, BLOCK_M, LC], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -267,59 +168,37 @@ def _redundant_scores_kernel(
         page = tl.load(BLOCK_TABLE + b64 * stride_btb + offs_n // PAGE_SIZE, mask=tok_ok, other=0)
         row = page.to(tl.int64) * stride_cp + (offs_n % PAGE_SIZE) * stride_ct
         prow = page.to(tl.int64) * stride_pp + (offs_n % PAGE_SIZE) * stride_pt
-        kv = tl.load(KV_C + row[:, None] + offs_l[None, :], mask=tok_ok[:, None], other=0.0)
         kpe = tl.load(K_PE + prow[:, None] + offs_r[None, :], mask=tok_ok[:, None], other=0.0)
-        kv3 = tl.broadcast_to(tl.trans(kv)[None], (NC, L, BLOCK_N))
-        kpe3 = tl.broadcast_to(tl.trans(kpe)[None], (NC, R, BLOCK_N))
-        s3 = tl.dot(q3, kv3) + tl.dot(qpe3, kpe3)  # [NC, BM, BN], same in every chunk
+        v_ptr = KV_C + row[None, :, None] + col3  # [NC, BN, LC]: the value tile in chunks
+        if VARIANT == 0:
+            v3 = tl.load(v_ptr, mask=tok_ok[None, :, None], other=0.0)
+            s3 = tl.sum(tl.dot(q3, tl.permute(v3, (0, 2, 1))), 0) + tl.dot(q_pe, tl.trans(kpe))
+            s3 = s3[None]  # [1, BM, BN]
+        else:
+            kv = tl.load(KV_C + row[:, None] + offs_l[None, :], mask=tok_ok[:, None], other=0.0)
+            s3 = tl.dot(q3, tl.broadcast_to(tl.trans(kv)[None], (NC, L, BLOCK_N)))
+            s3 += tl.dot(qpe3, tl.broadcast_to(tl.trans(kpe)[None], (NC, R, BLOCK_N)))
+            if VARIANT == 1:
+                v3 = tl.load(v_ptr, mask=tok_ok[None, :, None], other=0.0)
+            else:
+                v3 = tl.permute(tl.reshape(kv, (BLOCK_N, NC, LC)), (1, 0, 2))
         s3 = tl.where(tok_ok[None, None, :], s3 * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s3, 2))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_shift)
         p3 = tl.exp2(s3 - m_shift[:, :, None])
         l_i = l_i * alpha + tl.sum(p3, 2)
-        if MODE == 0:
-            v3 = tl.load(KV_C + row[None, :, None] + col3, mask=tok_ok[None, :, None], other=0.0)
-        else:
-            v3 = tl.permute(tl.reshape(kv, (BLOCK_N, NC, LC)), (1, 0, 2))
-        acc = acc * alpha[:, :, None] + tl.dot(p3.to(kv.dtype), v3)
+        p3 = tl.broadcast_to(p3.to(v3.dtype), (NC, BLOCK_M, BLOCK_N))
+        acc = acc * alpha[:, :, None] + tl.dot(p3, v3)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, :, None]
     o_row = O_PART + b64 * stride_ob + rows * stride_oh + split * stride_ok
     tl.store(o_row[None, :, None] + col3, out, mask=row_ok[None, :, None])
-    lse = (m_i + tl.log2(l_safe)) * 0.693
-    tl.store(
-        LSE_PART
-        + b64 * stride_lb
-        + rows[None, :] * stride_lh
-        + offs_c[:, None] * 0
-        + split * stride_lk,
-        lse,
-        mask=row_ok[None, :] & (offs_c[:, None] == 0),
-    )
-
-
-def chunked(inp: bd.Inputs, splits: int, kernel, bn: int, warps: int, stages: int, mode: int):
-    kv_c, k_pe = inp.decode_cache()
-    q = inp.q
-    b, _, h, _ = q.shape
-    out = torch.empty(b, 1, h, splits, bd.L, device=q.device, dtype=torch.float32)
-    lse = torch.empty(b, 1, h, splits, device=q.device, dtype=torch.float32)
-
-    def fn():
-        kernel[(b, splits)](
-            q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse,
-            q.stride(0), q.stride(2), kv_c.stride(0), kv_c.stride(1), k_pe.stride(0),
-            k_pe.stride(1), inp.block_table.stride(0), out.stride(0), out.stride(2),
-            out.stride(3), lse.stride(0), lse.stride(2), lse.stride(3),
-            bd.SCALE * 1.4426950408889634, splits, H=h, L=bd.L, R=bd.R,
-            PAGE_SIZE=kv_c.shape[1], BLOCK_M=16, BLOCK_N=bn, LC=128, MODE=mode,
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        return tk.combine(out, lse, torch.bfloat16)[0]
-
-    return fn
+    lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # [1 or NC, BM], equal along dim 0
+    lse_ptr = LSE_PART + b64 * stride_lb + rows[None, :] * stride_lh + split * stride_lk
+    first = tl.arange(0, lse.shape[0])[:, None] == 0
+    tl.store(lse_ptr + first * 0, lse, mask=row_ok[None, :] & first)
 
 
 def ours(inp: bd.Inputs, splits: int, cfg: tk.DecodeConfig):
@@ -356,19 +235,19 @@ def variants(case: bd.Case):
             yield (
                 "rows_on_n tma n64 w8 st2",
                 splits,
-                (lambda inp, s=splits: rows_on_n(inp, s, 64, 8, 2, 2)),
+                (lambda inp, s=splits: prototype(inp, s, _rows_on_n_kernel, 64, 8, 2, MODE=2)),
             )
-            for kname, kernel, mode in (
-                ("latent_chunks", _latent_chunks_kernel, 0),
-                ("redundant_scores", _redundant_scores_kernel, 0),
-                ("redundant_scores reshape", _redundant_scores_kernel, 1),
+            for kname, variant in (
+                ("latent_chunks", 0),
+                ("redundant_scores", 1),
+                ("redundant_scores reshape", 2),
             ):
                 for st in (2, 3):
                     yield (
                         f"{kname} n32 w4 st{st}",
                         splits,
-                        lambda inp, s=splits, k=kernel, m=mode, st=st: chunked(
-                            inp, s, k, 32, 4, st, m
+                        lambda inp, s=splits, v=variant, st=st: prototype(
+                            inp, s, _latent_chunks_kernel, 32, 4, st, LC=128, VARIANT=v
                         ),
                     )
 
