@@ -602,8 +602,11 @@ def combine(
     o3 = out_partial.reshape(-1, num_splits, kv_len)
     l2 = lse_partial.reshape(-1, num_splits)
     out2 = out.view(-1, kv_len)
+    block_s = _next_pow2(num_splits, floor=2)
+    # About 4096 partial values per program, 2 warps: measured on an H100 against the former fixed
+    # 128 columns x 4 warps, 11-19 % faster with 64 splits and 2x with 1 split (NOTES.md item 18).
+    block_l = min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
-        block_l = min(_next_pow2(kv_len), 128)
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
             o3,
             l2,
@@ -614,9 +617,9 @@ def combine(
             *out2.stride(),
             num_splits,
             kv_len,
-            BLOCK_S=_next_pow2(num_splits, floor=2),
+            BLOCK_S=block_s,
             BLOCK_L=block_l,
             ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
-            num_warps=4,
+            num_warps=2,
         )
     return out, lse
