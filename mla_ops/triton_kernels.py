@@ -604,7 +604,7 @@ def combine(
     out2 = out.view(-1, kv_len)
     block_s = _next_pow2(num_splits, floor=2)
     # About 4096 partial values per program, 2 warps: measured on an H100 against the former fixed
-    # 128 columns x 4 warps, 11-19 % faster with 64 splits and 2x with 1 split (NOTES.md item 18).
+    # 128 columns x 4 warps, 11-18 % faster with 64 splits and 2x with 1 split (NOTES.md item 18).
     block_l = min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](

@@ -90,6 +90,24 @@ def test_config_can_turn_tma_off(kernels, monkeypatch, caplog) -> None:
     assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
 
 
+@pytest.mark.parametrize("num_splits", [1, 7, 64])
+@pytest.mark.parametrize("width", [24, 300])  # 300: several column blocks, a masked last one
+def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
+    """The combine kernel against the float64 merge, across its column-block / split tilings."""
+    from tests.mla_ops.test_combine import merge64
+
+    gen = torch.Generator().manual_seed(num_splits * 1000 + width)
+    out_p = torch.randn(3, 5, num_splits, width, generator=gen).to(DEVICE)
+    lse_p = (torch.randn(3, 5, num_splits, generator=gen) * 4).to(DEVICE)
+    lse_p[0, 1] = float("-inf")  # an empty row
+    lse_p[1, :, num_splits // 2] = float("-inf")  # an empty split; its partial must not be read
+    out_p[1, :, num_splits // 2] = float("nan")
+    out, lse = kernels.combine(out_p, lse_p, torch.float32)
+    ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
 def run_kernels(kernels, case):
     out_p, lse_p = kernels.decode(*case.op_args())
     return kernels.combine(out_p, lse_p, case.q.dtype)
