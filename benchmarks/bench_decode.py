@@ -540,7 +540,7 @@ def diagnose(selected: list[Case], out: Path) -> None:
     for case in selected:
         inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
         rows_q = case.heads * case.s_q
-        default = tk.default_config(rows_q, L)
+        default = tk.default_config(rows_q, L, float8_cache=case.fp8)
         for cfg in (default, tk.DecodeConfig(default.block_m, 64, 8, 3, False)):
             tk.decode(*inp.op_args(2), config=cfg)
             k = tk.LAST_LAUNCH["decode"]

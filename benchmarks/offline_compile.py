@@ -35,18 +35,25 @@ FLOATS = ("scale_log2", "nope_scale", "pe_scale")
 
 def compile_decode(
     cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
-    rope_len: int = 64,
+    rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
 ):  # fmt: skip
     """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
     kernel = tk._mla_decode_kernel
     params = list(inspect.signature(kernel.fn).parameters)
-    element = {"Q": dtype, "KV_C": dtype, "K_PE": dtype, "SEQLENS": "i32", "BLOCK_TABLE": "i32"}
+    element = {
+        "Q": dtype,
+        "KV_C": kv_dtype or dtype,
+        "K_PE": dtype,
+        "SEQLENS": "i32",
+        "BLOCK_TABLE": "i32",
+    }
     const = dict(
         S_Q=s_q, H=heads, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
         DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None, MASK=None,
         HAS_MASK=False, MASK_IS_BOOL=False, MASK_HIDDEN=tk.MASK_HIDDEN,
+        KV_F16=kv_f16,
     )  # fmt: skip
     const.update(dict.fromkeys(UNIT_STRIDES, 1))
     signature, attrs = {}, {}
@@ -101,6 +108,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=None)
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    p.add_argument("--kv-dtype", default=None, choices=["fp8e4nv"], help="latent cache dtype")
+    p.add_argument("--kv-f16", action="store_true", help="KV_F16: fp16 dots for a float8 cache")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     heads_for = {16: 16, 32: 32, 64: 128}
@@ -115,7 +124,13 @@ def main() -> None:
             args.stages or cfg.num_stages,
         )
         compiled = compile_decode(
-            cfg, heads_for.get(block_m, block_m), 1, args.page_size, args.dtype
+            cfg,
+            heads_for.get(block_m, block_m),
+            1,
+            args.page_size,
+            args.dtype,
+            kv_dtype=args.kv_dtype,
+            kv_f16=args.kv_f16,
         )
         print(cfg, resources(compiled))
         if args.dump:

@@ -7,7 +7,8 @@ so nothing is padded to 1024; the same ``kv_c`` tile is the value for ``P @ V``.
 exp2 domain with the scale folded in. Partials are written in float32 with ``lse = m + log l``.
 KV tiles come either from per-token addresses (any page size, any strides) or, when a tile lies
 inside one page and rows are 16-byte aligned, from the copy engine (TMA) on Hopper. A float8 cache
-is converted to q's dtype per tile; its scale is folded into the scores and the output. An optional
+is converted per tile, to fp16 for a 16-bit query (exact, one instruction per pair); its scale is
+folded into the scores and the output. An optional
 ``[B, S_q, T_m]`` mask (bool, or a float bias added to the scaled scores) is read per tile and
 shared by the heads of a query position.
 
@@ -149,6 +150,7 @@ def _mla_decode_kernel(
     HAS_MASK: tl.constexpr,
     MASK_IS_BOOL: tl.constexpr,
     MASK_HIDDEN: tl.constexpr,
+    KV_F16: tl.constexpr,  # float8 kv_c with a 16-bit query: nope dots and P @ V in fp16
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -178,6 +180,17 @@ def _mla_decode_kernel(
         mask=row_ok[:, None] & l_ok[None, :],
         other=0.0,
     )  # [BLOCK_M, BLOCK_L]
+    qk_nope_scale = nope_scale
+    if KV_F16:
+        # A float8 kv_c becomes fp16 in one instruction per pair, exactly (e4m3 is a subset of
+        # fp16); to bf16 it takes that plus one per element and byte-wise shared-memory reads
+        # (NOTES.md item 19). The nope dots and P @ V then run in fp16, so the bf16 query moves
+        # into fp16's normal range by a power of two (exact; its largest value lands in
+        # (2^13, 2^14], clear of overflow and of subnormals), given back with the scores' scale.
+        q_max = tl.max(tl.max(tl.abs(q_nope.to(tl.float32)), 1), 0)
+        q_shift = tl.where(q_max > 0.0, tl.ceil(tl.log2(q_max)) - 14.0, 0.0)
+        q_nope = (q_nope.to(tl.float32) * tl.exp2(-q_shift)).to(tl.float16)
+        qk_nope_scale = nope_scale * tl.exp2(q_shift)
     if HAS_PE:
         q_pe = tl.load(
             q_row[:, None] + (L + offs_r[None, :]) * stride_qd,
@@ -234,7 +247,7 @@ def _mla_decode_kernel(
             # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
             # p = 0 times them stays 0 in P @ V.
             kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]).to(q_nope.dtype), 0.0)
-            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * nope_scale
+            qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * qk_nope_scale
             if HAS_PE:
                 kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]).to(q_pe.dtype), 0.0)
                 qk += tl.dot(q_pe, tl.trans(kpe), input_precision=DOT_PRECISION) * pe_scale
@@ -261,7 +274,7 @@ def _mla_decode_kernel(
                 NUM_PAGES,
                 MAX_PAGES,
                 CAPACITY,
-                nope_scale,
+                qk_nope_scale,
                 pe_scale,
                 L,
                 R,
@@ -383,6 +396,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     use_tma: bool | None = None  # None: whenever tma_path() allows it
+    fp8_in_f16: bool = True  # float8 kv_c, 16-bit query: nope dots and P @ V in fp16
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -445,6 +459,7 @@ def default_config(
     rope_len: int = 64,
     element_size: int = 2,
     shared_memory: int = DEFAULT_SHARED_MEMORY,
+    float8_cache: bool = False,
 ) -> DecodeConfig:
     """The tiling used when none is given, shrunk until it fits ``shared_memory`` bytes.
 
@@ -452,13 +467,15 @@ def default_config(
     fastest with 32-token tiles and 4 warps, 64-row programs with 64-token tiles and 8 warps; two
     pipeline stages beat three or four in both. On an H100, 64-row programs are 30-46 % slower
     with TMA loads than with per-token loads (NOTES.md item 17), so they use per-token loads;
-    16-row programs keep TMA (3 % faster there). fp32 needs smaller tiles to fit.
+    16-row programs keep TMA (3 % faster there) except over a float8 cache, where per-token
+    loads are 16 % faster (item 19). fp32 needs smaller tiles to fit.
     """
     block_m = rows_per_program(query_rows)
     if _next_pow2(kv_len) <= 128:  # small test dims: registers are no concern
         cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
     elif block_m <= 16:
-        cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
+        tma = False if float8_cache else None
+        cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2, use_tma=tma)
     else:
         tma = False if block_m >= 64 else None
         cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, use_tma=tma)
@@ -508,7 +525,8 @@ def decode(
         smem = (
             _shared_memory_per_program(q.device.index or 0) if q.is_cuda else DEFAULT_SHARED_MEMORY
         )
-        config = default_config(rows, kv_len, rope_len, q.element_size(), smem)
+        float8 = kv_c.dtype == torch.float8_e4m3fn
+        config = default_config(rows, kv_len, rope_len, q.element_size(), smem, float8)
     cfg = config
     block_l = _next_pow2(kv_len)
     block_r = _next_pow2(max(rope_len, 1))
@@ -530,6 +548,8 @@ def decode(
     kv_desc = _descriptor(kv_c, cfg.block_n) if use_tma else None
     pe_desc = _descriptor(k_pe, cfg.block_n) if use_tma and rope_len else None
     LAST_LAUNCH["decode_path"] = "tma" if use_tma else "gather"
+    # A float8 kv_c is computed with in fp16 (bf16 and fp16 queries; fp32 keeps fp32 dots).
+    kv_f16 = kv_c.dtype == torch.float8_e4m3fn and q.element_size() == 2 and cfg.fp8_in_f16
     if attn_mask is None:
         mask, mask_strides, mask_len = None, (0, 0, 0), 0
     else:
@@ -583,6 +603,7 @@ def decode(
             HAS_MASK=attn_mask is not None,
             MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
             MASK_HIDDEN=MASK_HIDDEN,
+            KV_F16=kv_f16,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
