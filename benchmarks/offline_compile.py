@@ -36,6 +36,7 @@ FLOATS = ("scale_log2", "nope_scale", "pe_scale")
 def compile_decode(
     cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
+    ptx_convert: bool = False,
 ):  # fmt: skip
     """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
     kernel = tk._mla_decode_kernel
@@ -53,7 +54,7 @@ def compile_decode(
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
         DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None, MASK=None,
         HAS_MASK=False, MASK_IS_BOOL=False, MASK_HIDDEN=tk.MASK_HIDDEN,
-        KV_F16=kv_f16,
+        KV_F16=kv_f16, PTX_CONVERT=ptx_convert,
     )  # fmt: skip
     const.update(dict.fromkeys(UNIT_STRIDES, 1))
     signature, attrs = {}, {}
@@ -110,6 +111,7 @@ def main() -> None:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     p.add_argument("--kv-dtype", default=None, choices=["fp8e4nv"], help="latent cache dtype")
     p.add_argument("--kv-f16", action="store_true", help="KV_F16: fp16 dots for a float8 cache")
+    p.add_argument("--ptx-convert", action="store_true", help="float8 tiles by inline PTX")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     heads_for = {16: 16, 32: 32, 64: 128}
@@ -131,6 +133,7 @@ def main() -> None:
             args.dtype,
             kv_dtype=args.kv_dtype,
             kv_f16=args.kv_f16,
+            ptx_convert=args.ptx_convert,
         )
         print(cfg, resources(compiled))
         if args.dump:

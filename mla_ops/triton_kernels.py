@@ -38,13 +38,33 @@ from .reference import MASK_HIDDEN, accumulation_dtype
 
 
 @triton.jit
+def _e4m3_to_f16(x):
+    """float8 e4m3 -> fp16 (exact) by ``cvt.rn.f16x2.e4m3x2``, four values per call; sm_89+.
+
+    Declared impure on purpose: the compiler moves a pure conversion (Triton's own cast included)
+    past the shared-memory read of the ``P @ V`` operand, where a float8 tile can only be read
+    byte by byte; an impure one stays here, so the tile is converted once in registers and
+    stored as fp16 (a8: 259 -> 206-219 us on an H100, NOTES.md item 19).
+    """
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        constraints="=r,=r,r",
+        args=[x.to(tl.uint8, bitcast=True)],
+        dtype=tl.float16,
+        is_pure=False,
+        pack=4,
+    )
+
+
+@triton.jit
 def _gather_tile_scores(
     KV_C, K_PE, BLOCK_TABLE, q_nope, q_pe, b64, offs_n, tok_ok, offs_l, offs_r,
     stride_cp, stride_ct, stride_cd, stride_pp, stride_pt, stride_pd, stride_btb, stride_btp,
     NUM_PAGES, MAX_PAGES, CAPACITY, nope_scale, pe_scale,
     L: tl.constexpr, R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_R: tl.constexpr, PAGED: tl.constexpr, HAS_PE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PTX_CONVERT: tl.constexpr,
 ):  # fmt: skip
     """One KV tile by per-token address (any page size, any strides) and its scores.
 
@@ -74,7 +94,8 @@ def _gather_tile_scores(
         kc_row[:, None] + offs_l[None, :] * stride_cd,
         mask=ld[:, None] & (offs_l[None, :] < L),
         other=0.0,
-    ).to(q_nope.dtype)  # [BLOCK_N, BLOCK_L]
+    )  # [BLOCK_N, BLOCK_L]
+    kv = _e4m3_to_f16(kv) if PTX_CONVERT else kv.to(q_nope.dtype)
     qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * nope_scale
     if HAS_PE:
         kp_row = K_PE + page64 * stride_pp + slot64 * stride_pt
@@ -151,6 +172,7 @@ def _mla_decode_kernel(
     MASK_IS_BOOL: tl.constexpr,
     MASK_HIDDEN: tl.constexpr,
     KV_F16: tl.constexpr,  # float8 kv_c with a 16-bit query: nope dots and P @ V in fp16
+    PTX_CONVERT: tl.constexpr,  # KV_F16 on sm_89+ CUDA: float8 tiles converted by _e4m3_to_f16
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -246,7 +268,9 @@ def _mla_decode_kernel(
             ld = tok_ok & page_ok
             # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
             # p = 0 times them stays 0 in P @ V.
-            kv = tl.where(ld[:, None], KV_DESC.load([row0, 0]).to(q_nope.dtype), 0.0)
+            kv = KV_DESC.load([row0, 0])
+            kv = _e4m3_to_f16(kv) if PTX_CONVERT else kv.to(q_nope.dtype)
+            kv = tl.where(ld[:, None], kv, 0.0)
             qk = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION) * qk_nope_scale
             if HAS_PE:
                 kpe = tl.where(ld[:, None], PE_DESC.load([row0, 0]).to(q_pe.dtype), 0.0)
@@ -284,6 +308,7 @@ def _mla_decode_kernel(
                 PAGED,
                 HAS_PE,
                 DOT_PRECISION,
+                PTX_CONVERT,
             )
             n_bad += (tok_ok & ~ld).to(tl.int32)
         qk = qk * scale_log2
@@ -397,6 +422,7 @@ class DecodeConfig:
     num_stages: int
     use_tma: bool | None = None  # None: whenever tma_path() allows it
     fp8_in_f16: bool = True  # float8 kv_c, 16-bit query: nope dots and P @ V in fp16
+    fp8_ptx_convert: bool = True  # ... converted by inline PTX where it compiles (sm_89+ CUDA)
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -405,6 +431,15 @@ def has_copy_engine(device: torch.device) -> bool:
     Tests replace this to run the TMA path in Triton's interpreter, which emulates descriptors.
     """
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def has_e4m3_convert(device: torch.device) -> bool:
+    """The PTX float8 e4m3 -> fp16 conversion: CUDA (not ROCm), compute capability >= 8.9."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    )
 
 
 def tma_path(
@@ -467,15 +502,17 @@ def default_config(
     fastest with 32-token tiles and 4 warps, 64-row programs with 64-token tiles and 8 warps; two
     pipeline stages beat three or four in both. On an H100, 64-row programs are 30-46 % slower
     with TMA loads than with per-token loads (NOTES.md item 17), so they use per-token loads;
-    16-row programs keep TMA (3 % faster there) except over a float8 cache, where per-token
-    loads are 16 % faster (item 19). fp32 needs smaller tiles to fit.
+    16-row programs keep TMA (3 % faster there). Over a float8 cache (tiles converted to fp16 in
+    registers and stored to shared memory as fp16), 16-row programs are fastest with 64-token
+    tiles and no pipelining on the H100 (item 19). fp32 needs smaller tiles to fit.
     """
     block_m = rows_per_program(query_rows)
     if _next_pow2(kv_len) <= 128:  # small test dims: registers are no concern
         cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=2)
+    elif block_m <= 16 and float8_cache:
+        cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=4, num_stages=1)
     elif block_m <= 16:
-        tma = False if float8_cache else None
-        cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2, use_tma=tma)
+        cfg = DecodeConfig(block_m=block_m, block_n=32, num_warps=4, num_stages=2)
     else:
         tma = False if block_m >= 64 else None
         cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, use_tma=tma)
@@ -550,6 +587,10 @@ def decode(
     LAST_LAUNCH["decode_path"] = "tma" if use_tma else "gather"
     # A float8 kv_c is computed with in fp16 (bf16 and fp16 queries; fp32 keeps fp32 dots).
     kv_f16 = kv_c.dtype == torch.float8_e4m3fn and q.element_size() == 2 and cfg.fp8_in_f16
+    ptx_convert = kv_f16 and cfg.fp8_ptx_convert and has_e4m3_convert(q.device)
+    if kv_f16 and log.isEnabledFor(logging.DEBUG):
+        how = "inline PTX" if ptx_convert else "Triton's cast (no sm_89+ CUDA device or turned off)"
+        log.debug("mla::decode kernel: float8 tiles computed in fp16, converted by %s", how)
     if attn_mask is None:
         mask, mask_strides, mask_len = None, (0, 0, 0), 0
     else:
@@ -604,6 +645,7 @@ def decode(
             MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
             MASK_HIDDEN=MASK_HIDDEN,
             KV_F16=kv_f16,
+            PTX_CONVERT=ptx_convert,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

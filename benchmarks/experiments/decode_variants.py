@@ -216,8 +216,8 @@ def variants(case: bd.Case):
     }  # fmt: skip
     rows = case.heads * case.s_q
     tilings = [(16, 32, 4, 2), (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 4, 2), (16, 64, 8, 2)]
-    if case.fp8:  # without pipelining the float8 tile is converted before shared memory
-        tilings += [(16, 32, 4, 1), (16, 64, 4, 1), (16, 64, 8, 1)]
+    # without pipelining (st1) and deeper (n64 st3)
+    tilings += [(16, 32, 4, 1), (16, 64, 4, 1), (16, 64, 8, 1), (16, 64, 4, 3)]
     if rows > 16:
         tilings = [(64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]
         # 16 warps: a quarter of the 64 x 512 accumulator per warpgroup, 128 registers each
@@ -227,9 +227,11 @@ def variants(case: bd.Case):
             for tma in (False, True):
                 if tma and case.page_size % bn:
                     continue
-                for f16 in (True, False) if case.fp8 else (True,):
-                    cfg = tk.DecodeConfig(bm, bn, w, st, tma, fp8_in_f16=f16)
-                    fp8 = (" f16" if f16 else " bf16") if case.fp8 else ""
+                for f16 in ("asm", True, False) if case.fp8 else (True,):
+                    cfg = tk.DecodeConfig(
+                        bm, bn, w, st, tma, fp8_in_f16=bool(f16), fp8_ptx_convert=f16 == "asm"
+                    )
+                    fp8 = {"asm": " f16asm", True: " f16", False: " bf16"}[f16] if case.fp8 else ""
                     yield (
                         f"ours m{bm} n{bn} w{w} st{st} {'tma' if tma else 'gather'}{fp8}",
                         splits,
