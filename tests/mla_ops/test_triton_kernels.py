@@ -252,6 +252,45 @@ def test_fp8_cache_query_outside_fp16_range(
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+def test_fp8_conversion_path_is_logged(kernels, caplog) -> None:
+    """Which conversion a float8 cache gets is in the debug log: off an sm_89+ CUDA device
+    (the interpreter here), Triton's cast."""
+    dtype = torch.bfloat16 if HAS_CUDA else torch.float16
+    case = make_case(
+        660, dtype=dtype, device=DEVICE, page_size=64, dims=(32, 16),
+        cache_dtype=torch.float8_e4m3fn, lengths=[70],
+    )  # fmt: skip
+    with caplog.at_level(logging.DEBUG, logger="mla_ops"):
+        kernels.decode(*case.op_args())
+    ptx = kernels.has_e4m3_convert(case.q.device)
+    how = "inline PTX" if ptx else "Triton's cast"
+    assert f"float8 tiles computed in fp16, converted by {how}" in caplog.text
+    assert not kernels.has_e4m3_convert(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="inline PTX needs a CUDA device")
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("use_tma", [None, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_fp8_ptx_conversion_matches_cast(kernels, seed: int, use_tma, heads: int) -> None:
+    """The inline-PTX e4m3 -> fp16 conversion gives what Triton's cast gives (both exact)."""
+    if not kernels.has_e4m3_convert(torch.device(DEVICE)):
+        pytest.skip("needs compute capability >= 8.9")
+    case = make_case(
+        700 + seed, dtype=torch.bfloat16, device=DEVICE, page_size=64, dims=(512, 64),
+        heads=heads, cache_dtype=torch.float8_e4m3fn, max_len=3000,
+    )  # fmt: skip
+    rows = case.q.shape[1] * heads
+    ptx = replace(kernels.default_config(rows, 512, float8_cache=True), use_tma=use_tma)
+    outs = []
+    for cfg in (ptx, replace(ptx, fp8_ptx_convert=False)):
+        out_p, lse_p = kernels.decode(*case.op_args(), config=cfg)
+        outs.append(kernels.combine(out_p, lse_p, torch.float32))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    ref_out, ref_lse = case.reference()
+    assert_matches(*outs[0], ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
 @pytest.mark.parametrize("kind", ["bool", "float"])
 def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
     case = make_case(
