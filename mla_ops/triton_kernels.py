@@ -68,7 +68,7 @@ def _gather_tile_scores(
 ):  # fmt: skip
     """One KV tile by per-token address (any page size, any strides) and its scores.
 
-    Returns the value tile ``kv [BLOCK_N, BLOCK_L]`` in q's dtype (a float8 cache is converted
+    Returns the value tile ``kv [BLOCK_N, BLOCK_L]`` in q_nope's dtype (a float8 cache is converted
     here, its scale left to the caller), ``qk [BLOCK_M, BLOCK_N]`` (dequantised, not yet
     softmax-scaled) and the tokens actually read (in the split and at a valid cache location).
     """
