@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
@@ -205,8 +206,8 @@ def _mla_decode_kernel(
     qk_nope_scale = nope_scale
     if KV_F16:
         # A float8 kv_c becomes fp16 in one instruction per pair, exactly (e4m3 is a subset of
-        # fp16); to bf16 it takes that plus one per element and byte-wise shared-memory reads
-        # (NOTES.md item 19). The nope dots and P @ V then run in fp16, so the bf16 query moves
+        # fp16); to bf16 it takes that plus one more per element (NOTES.md item 19). The nope
+        # dots and P @ V then run in fp16, so the bf16 query moves
         # into fp16's normal range by a power of two (exact; its largest value lands in
         # (2^13, 2^14], clear of overflow and of subnormals), given back with the scores' scale.
         q_max = tl.max(tl.max(tl.abs(q_nope.to(tl.float32)), 1), 0)
@@ -434,10 +435,12 @@ def has_copy_engine(device: torch.device) -> bool:
 
 
 def has_e4m3_convert(device: torch.device) -> bool:
-    """The PTX float8 e4m3 -> fp16 conversion: CUDA (not ROCm), compute capability >= 8.9."""
+    """The PTX float8 e4m3 -> fp16 conversion: CUDA (not ROCm), compute capability >= 8.9, and
+    compiled kernels (Triton's interpreter runs no inline PTX)."""
     return (
         device.type == "cuda"
         and torch.version.hip is None
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
         and torch.cuda.get_device_capability(device) >= (8, 9)
     )
 

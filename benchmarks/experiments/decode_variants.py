@@ -222,18 +222,21 @@ def variants(case: bd.Case):
         tilings = [(64, 64, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2)]
         # 16 warps: a quarter of the 64 x 512 accumulator per warpgroup, 128 registers each
         tilings += [(64, 64, 16, 2), (64, 32, 16, 2), (64, 128, 16, 1)]
+    # float8 tiles: fp16 compute converted by inline PTX or by Triton's cast, or bf16 compute
+    fp8_modes = [(" f16asm", True, True), (" f16", True, False), (" bf16", False, False)]
+    if not case.fp8:
+        fp8_modes = [("", True, True)]
     for splits in split_sets.get(case.name, (1, 2)):
         for bm, bn, w, st in tilings:
             for tma in (False, True):
                 if tma and case.page_size % bn:
                     continue
-                for f16 in ("asm", True, False) if case.fp8 else (True,):
+                for suffix, in_f16, ptx in fp8_modes:
                     cfg = tk.DecodeConfig(
-                        bm, bn, w, st, tma, fp8_in_f16=bool(f16), fp8_ptx_convert=f16 == "asm"
+                        bm, bn, w, st, tma, fp8_in_f16=in_f16, fp8_ptx_convert=ptx
                     )
-                    fp8 = {"asm": " f16asm", True: " f16", False: " bf16"}[f16] if case.fp8 else ""
                     yield (
-                        f"ours m{bm} n{bn} w{w} st{st} {'tma' if tma else 'gather'}{fp8}",
+                        f"ours m{bm} n{bn} w{w} st{st} {'tma' if tma else 'gather'}{suffix}",
                         splits,
                         (lambda inp, s=splits, c=cfg: ours(inp, s, c)),
                     )
