@@ -12,6 +12,8 @@ Method
   ``triton.testing.do_bench`` (CUDA events). Eager (un-graphed) time is reported beside it.
 - roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
+- Case ``a8``: (a) over a float8 cache; ``am``: (a) with an all-visible bf16 ``attn_mask``,
+  what every decode step of a rewritten Hugging Face model passes (peers skip both).
 - Every implementation's output is checked against a float32 torch reference before timing.
 - Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
   SDPA over an expanded MQA, FlexAttention (where it compiles). FlashInfer is reported as missing
@@ -54,6 +56,8 @@ class Case:
     page_size: int = 64
     ragged: bool = False
     fp8: bool = False  # kv_c in float8 e4m3 (per-tensor scale), k_pe kept in bf16
+    # An all-visible bf16 attn_mask (zeros), as the rewritten Hugging Face decode step passes.
+    mask: bool = False
 
 
 CASES = {
@@ -65,6 +69,7 @@ CASES = {
     "f": Case("f", 64, 128, 4096, s_q=2),
     "g": Case("g", 128, 16, 4096, page_size=1),
     "a8": Case("a8", 128, 16, 4096, fp8=True),
+    "am": Case("am", 128, 16, 4096, mask=True),
 }
 
 
@@ -126,6 +131,9 @@ class Inputs:
         self.kv_c_fp8, self.kv_scale = None, None
         if case.fp8:
             self.kv_c_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache[..., :L])
+        self.attn_mask = None  # [B, S_q, capacity] bf16 zeros: every key visible
+        if case.mask:
+            self.attn_mask = torch.zeros(b, case.s_q, pages_per_seq * ps, device=dev, dtype=dt)
         self.contiguous = None
         if with_contiguous:  # [B, T, L+R], rows past each length are never attended
             self.contiguous = self.kv_cache[self.block_table.long()].view(b, -1, L + R)
@@ -135,7 +143,7 @@ class Inputs:
         kv_c, k_pe = self.decode_cache()
         return (
             self.q, kv_c, k_pe, self.cache_seqlens, self.block_table, SCALE, True, num_splits,
-            self.kv_scale,
+            self.kv_scale, self.attn_mask,
         )  # fmt: skip
 
     def decode_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +157,7 @@ def decode_out(inp: Inputs) -> torch.Tensor:
     """``mla_decode`` on one input copy, with the planner's defaults: ``[B, S_q, H, L]``."""
     return mla_ops.mla_decode(
         inp.q, inp.decode_cache(), inp.cache_seqlens, block_table=inp.block_table,
-        head_dim_v=L, softmax_scale=SCALE, kv_scale=inp.kv_scale,
+        head_dim_v=L, softmax_scale=SCALE, kv_scale=inp.kv_scale, attn_mask=inp.attn_mask,
     )[0]  # fmt: skip
 
 
@@ -259,13 +267,15 @@ def impls(case: Case):
 
 
 def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
-    """Bytes (cache rows read + q + out) and flops of one call."""
+    """Bytes (cache rows read + q + out, + the mask where there is one) and flops of one call."""
     tokens = float(inp.lengths.sum())
     elt = 2
     q_bytes = case.batch * case.s_q * case.heads * (L + R) * elt
     o_bytes = case.batch * case.s_q * case.heads * L * elt
     row_bytes = (L * 1 + R * elt) if case.fp8 else (L + R) * elt
     nbytes = tokens * row_bytes + q_bytes + o_bytes
+    if inp.attn_mask is not None:
+        nbytes += inp.attn_mask.numel() * inp.attn_mask.element_size()
     flops = 2 * case.heads * case.s_q * tokens * (2 * L + R)
     return nbytes, flops
 
@@ -283,7 +293,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     ref = reference(first, case)
     rows = []
     names = ["mla_decode"]
-    if peers and not case.fp8:
+    if peers and not case.fp8 and not case.mask:
         names += ["eager_einsum", "sdpa_mqa"] + (["flex"] if case.name in FLEX_CASES else [])
     for name in names:
         progress(f"{case.name}:{name}")
@@ -517,6 +527,11 @@ def main() -> None:
         print(
             f"fp8 cache (a8) vs bf16 (a): {ours['a'].time_us / ours['a8'].time_us:.2f}x faster, "
             f"rel_err vs the bf16-cache reference {ours['a8'].rel_err:.1e}"
+        )
+    if "a" in ours and "am" in ours:
+        print(
+            f"all-visible bf16 mask (am) vs none (a): "
+            f"{ours['am'].time_us / ours['a'].time_us:.2f}x the time"
         )
 
 

@@ -12,13 +12,22 @@ MoE; per-layer figures scale). Each cache is filled with ``T`` random tokens thr
 ``update`` (no prefill: the prompt pass is not what is measured), then decode steps run on it;
 after warm-up (compilation), ``--steps`` steps are timed with CUDA events, median reported.
 Memory: peak allocated during the timed steps above what was allocated before them, and the
-cache's own bytes per token; "fits" = tokens (batch x context) that the card's free memory holds
-at that many bytes per token plus the measured step working memory, derived, not run.
+cache's own bytes per token. "Fits" is derived per variant from those two measurements: a
+sequence of the case's context costs its cache bytes plus its share (1/batch) of the step's
+working memory (Hugging Face re-expands the whole cache every step, so its share grows with the
+context), and ``fits_batch`` = the card's free memory (after the weights) / that. ``--fit``
+checks the derivation by running it: at the largest context, each of ``--fit-variants`` runs at
+95 % of its derived batch (expected to run) and at 110 % (expected to run out of memory).
+Ratio: ``mla_graphs`` tokens/s over ``hf_compile``'s. Bound: what that ratio would be if our
+attention took no time at all (``hf_compile`` step / (``mla_graphs`` step - the ``mla`` kernels'
+profiled time)): the ceiling set by the rest of the model (projections, experts, head), which
+both sides run alike.
 Attention share: CUDA time of the ``mla`` kernels in a profiled step of ``mla`` against
 ``mla_decode`` timed alone at the same shapes (CUDA-graph replays) x layers.
 
     python benchmarks/bench_e2e.py        # all cases; writes results/e2e_*.json, .csv, .png
     python benchmarks/bench_e2e.py --cases 32x8192 --variants mla,mla_graphs
+    python benchmarks/bench_e2e.py --cases 32x32768 --variants hf_compile,mla,mla_graphs --fit
 """
 
 from __future__ import annotations
@@ -27,9 +36,13 @@ import argparse
 import csv
 import datetime
 import functools
+import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 
 import torch
 import transformers
@@ -41,6 +54,7 @@ import mla_ops
 from fx_passes.backend import mla
 from mla_ops.hf_cache import MLACache
 
+PROFILED_STEPS = 3  # steps the attention share averages over (after the timed ones)
 VARIANTS = ("hf_eager", "hf_compile", "mla", "mla_graphs")
 CASES = ("1x1024", "1x8192", "1x32768", "32x1024", "32x8192", "32x32768")
 
@@ -53,15 +67,26 @@ def make_cache(variant: str, model, batch: int, capacity: int):
     return MLACache(model.config, max_length=capacity, page_size=64, static=True)
 
 
-def fill(cache, model, batch: int, context: int) -> None:
-    """``context`` random tokens per sequence in every layer, through the cache's ``update``."""
+def fill(cache, model, batch: int, context: int, chunk: int = 2048) -> None:
+    """``context`` random tokens per sequence in every layer, through the cache's own write path,
+    ``chunk`` tokens at a time (bf16 straight from the generator: no float32 copy of the cache)."""
     config = model.config
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for layer in range(config.num_hidden_layers):
-        kv_c = torch.randn(batch, 1, context, config.kv_lora_rank, device="cuda", generator=gen)
-        k_pe = torch.randn(batch, 1, context, config.qk_rope_head_dim, device="cuda", generator=gen)
-        cache.update(kv_c.bfloat16(), k_pe.bfloat16(), layer)
-        del kv_c, k_pe
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        for layer in range(config.num_hidden_layers):
+            kv_c = torch.randn(batch, 1, n, config.kv_lora_rank, device="cuda",
+                               dtype=torch.bfloat16, generator=gen)  # fmt: skip
+            k_pe = torch.randn(batch, 1, n, config.qk_rope_head_dim, device="cuda",
+                               dtype=torch.bfloat16, generator=gen)  # fmt: skip
+            if isinstance(cache, MLACache):
+                # Straight into the pages: MLACache.update also returns the dense rows (what an
+                # unrewritten model attends over), a whole-cache copy the compiled step never makes.
+                paged = cache.store.get(batch, kv_c.dtype, kv_c.device)
+                paged.append(layer, kv_c[:, 0], k_pe[:, 0])
+            else:
+                cache.update(kv_c, k_pe, layer)
+            del kv_c, k_pe
     torch.cuda.empty_cache()
 
 
@@ -87,7 +112,7 @@ def step_function(variant: str, model):
 def measure(variant: str, model, batch: int, context: int, args) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    capacity = context + args.warmup + args.steps + 1
+    capacity = context + args.warmup + args.steps + PROFILED_STEPS
     cache = make_cache(variant, model, batch, capacity)
     fill(cache, model, batch, context)
     step = step_function(variant, model)
@@ -128,18 +153,21 @@ def measure(variant: str, model, batch: int, context: int, args) -> dict:
 
 
 def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
-    """CUDA time of the mla kernels in one step vs mla_decode alone at the same shapes."""
+    """CUDA time of the mla kernels per step (mean over ``PROFILED_STEPS`` profiled steps) vs
+    ``mla_decode`` alone at the same shapes."""
     import triton
 
     with (
         torch.no_grad(),
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
     ):
-        step(input_ids=ids, past_key_values=cache, use_cache=True)
+        for _ in range(PROFILED_STEPS):
+            step(input_ids=ids, past_key_values=cache, use_cache=True)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.device_time for e in events)
-    attention = sum(e.device_time for e in events if "_mla_" in e.name)  # decode + combine kernels
+    total = sum(e.device_time for e in events) / PROFILED_STEPS
+    # decode + combine kernels
+    attention = sum(e.device_time for e in events if "_mla_" in e.name) / PROFILED_STEPS
     config = model.config
     heads, kv_len, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     pages = -(-(context + 1) // 64)
@@ -162,6 +190,87 @@ def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
     )
 
 
+def run_case(variant: str, model, batch: int, context: int, args, free: int) -> dict:
+    """``measure`` with failures reported as rows (out of memory included), and the derived fit."""
+    try:
+        result = measure(variant, model, batch, context, args)
+    except torch.OutOfMemoryError as error:
+        result = dict(variant=variant, batch=batch, context=context, error=f"OOM: {error}"[:200])
+    except Exception as error:  # reported, not hidden: the table says it failed
+        result = dict(variant=variant, batch=batch, context=context,
+                      error=f"{type(error).__name__}: {error}"[:300])  # fmt: skip
+    if "error" in result:  # what the failed step held goes back before the next case
+        release_memory()
+        return result
+    capacity = context + args.warmup + args.steps + PROFILED_STEPS
+    per_sequence = (
+        result["cache_bytes_per_token"] * capacity + result["peak_step_mb"] * 2**20 / batch
+    )
+    result["fits_batch"] = int(free // per_sequence)
+    result["fits_tokens"] = result["fits_batch"] * context
+    return result
+
+
+def summary(results: list[dict], cases) -> list[dict]:
+    """Per case: ours (CUDA graphs) over Hugging Face + torch.compile, and that ratio's ceiling
+    if our attention cost nothing (see the module docstring)."""
+    rows = []
+    for batch, context in cases:
+        row = {r["variant"]: r for r in results if (r["batch"], r["context"]) == (batch, context)}
+        hf, ours, profiled = (row.get(v, {}) for v in ("hf_compile", "mla_graphs", "mla"))
+        if "step_ms" not in hf or "step_ms" not in ours:
+            continue
+        entry = dict(batch=batch, context=context, ratio=hf["step_ms"] / ours["step_ms"])
+        if "attention_us" in profiled:
+            rest_ms = ours["step_ms"] - profiled["attention_us"] / 1e3
+            entry["ratio_if_attention_free"] = hf["step_ms"] / rest_ms
+        rows.append(entry)
+    return rows
+
+
+def release_memory() -> None:
+    """Give back what compiled graphs, CUDA-graph pools and dead caches hold."""
+    torch._dynamo.reset()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def fit_check(results: list[dict], args) -> list[dict]:
+    """Run the derived largest batch at the largest context, each in a fresh process (a failed
+    attempt's memory cannot leak into the next): 95 % should run, 110 % should not."""
+    context = max(r["context"] for r in results)
+    free_now, total = torch.cuda.mem_get_info()  # what this process still holds, for the record
+    checks = []
+    for variant in args.fit_variants.split(","):
+        derived = [r for r in results if r["variant"] == variant and r["context"] == context
+                   and "fits_batch" in r]  # fmt: skip
+        if not derived:
+            continue
+        predicted = max(derived, key=lambda r: r["batch"])["fits_batch"]
+        for fraction in (0.95, 1.10):
+            batch = max(1, round(predicted * fraction))
+            tqdm.write(f"fit check: {variant} {batch} x {context} (derived limit {predicted})")
+            with tempfile.TemporaryDirectory() as out:
+                command = [sys.executable, __file__, "--cases", f"{batch}x{context}",
+                           "--variants", variant, "--layers", str(args.layers), "--warmup", "2",
+                           "--steps", "3", "--no-plot", "--out", out]  # fmt: skip
+                child = subprocess.run(command, capture_output=True, text=True)
+                files = [f for f in os.listdir(out) if f.endswith(".json")]
+                if files:
+                    with open(os.path.join(out, files[0])) as f:
+                        run = json.load(f)
+                    result, child_free_mb = run["results"][0], run["meta"]["free_mb"]
+                else:  # the child died before writing: keep its last words
+                    result = dict(error=(child.stdout + child.stderr)[-300:])
+                    child_free_mb = None
+            checks.append(dict(variant=variant, context=context, derived_batch=predicted,
+                               batch=batch, ran="step_ms" in result, step_ms=result.get("step_ms"),
+                               error=result.get("error"), free_mb_in_run=child_free_mb,
+                               held_by_parent_mb=(total - free_now) / 2**20))  # fmt: skip
+            tqdm.write(json.dumps(checks[-1]))
+    return checks
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -171,6 +280,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--fit", action="store_true", help="run the derived largest batches")
+    parser.add_argument("--fit-variants", default="hf_compile,mla_graphs")
+    parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = parser.parse_args()
 
@@ -184,21 +296,12 @@ def main() -> None:
     variants = args.variants.split(",")
     results = []
     for (batch, context), variant in tqdm([(c, v) for c in cases for v in variants], desc="run"):
-        try:
-            result = measure(variant, model, batch, context, args)
-        except torch.OutOfMemoryError as error:
-            result = dict(
-                variant=variant, batch=batch, context=context, error=f"OOM: {error}"[:200]
-            )
-            torch.cuda.empty_cache()
-        except Exception as error:  # reported, not hidden: the table says it failed
-            result = dict(variant=variant, batch=batch, context=context,
-                          error=f"{type(error).__name__}: {error}"[:300])  # fmt: skip
-        if "step_ms" in result:
-            room = free - result["peak_step_mb"] * 2**20
-            result["fits_tokens"] = int(room / result["cache_bytes_per_token"])
-        results.append(result)
-        tqdm.write(json.dumps({k: v for k, v in result.items() if k != "mla_sites"}))
+        results.append(run_case(variant, model, batch, context, args, free))
+        tqdm.write(json.dumps({k: v for k, v in results[-1].items() if k != "mla_sites"}))
+    ratios = summary(results, cases)
+    del model
+    release_memory()
+    checks = fit_check(results, args) if args.fit else []
 
     stamp = datetime.date.today().isoformat()
     name = os.path.join(args.out, f"e2e_{device.replace(' ', '_')}_{stamp}")
@@ -206,21 +309,34 @@ def main() -> None:
                 layers=args.layers, weights_mb=weights_mb, free_mb=free / 2**20,
                 date=stamp)  # fmt: skip
     with open(name + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=results), f, indent=1)
+        json.dump(dict(meta=meta, results=results, summary=ratios, fit_check=checks), f, indent=1)
     keys = ["variant", "batch", "context", "step_ms", "tokens_per_s", "peak_step_mb",
-            "cache_bytes_per_token", "fits_tokens", "attention_share",
+            "cache_bytes_per_token", "fits_batch", "fits_tokens", "attention_share",
             "attention_vs_kernel_bench", "error"]  # fmt: skip
     with open(name + ".csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(results)
-    print(f"\n{'case':>9} " + " ".join(f"{v:>11}" for v in variants) + "   (tokens/s)")
+    print(f"\n{'case':>9} " + " ".join(f"{v:>11}" for v in variants) + "  ratio  bound")
     for batch, context in cases:
         row = {r["variant"]: r for r in results if (r["batch"], r["context"]) == (batch, context)}
         cells = [f"{row[v]['tokens_per_s']:11.1f}" if "tokens_per_s" in row.get(v, {}) else
                  f"{'failed':>11}" for v in variants]  # fmt: skip
-        print(f"{batch:>3}x{context:<5} " + " ".join(cells))
-    plot(results, cases, variants, name + ".png", meta)
+        ratio = next((r for r in ratios if (r["batch"], r["context"]) == (batch, context)), {})
+        tail = f"{ratio['ratio']:6.2f}x" if "ratio" in ratio else "      -"
+        tail += (
+            f" {ratio['ratio_if_attention_free']:5.2f}x"
+            if "ratio_if_attention_free" in ratio
+            else ""
+        )
+        print(f"{batch:>3}x{context:<5} " + " ".join(cells) + " " + tail)
+    print("(tokens/s; ratio = mla_graphs / hf_compile; bound = that ratio with free attention)")
+    for check in checks:
+        outcome = "ran" if check["ran"] else check["error"]
+        print(f"fit: {check['variant']} {check['batch']} x {check['context']} "
+              f"(derived {check['derived_batch']}): {outcome}")  # fmt: skip
+    if not args.no_plot:
+        plot(results, cases, variants, name + ".png", meta)
 
 
 def plot(results, cases, variants, path, meta) -> None:

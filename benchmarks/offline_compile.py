@@ -7,6 +7,7 @@ from the local Triton, which may differ from the GPU machine's (NOTES.md says wh
 
     python benchmarks/offline_compile.py                       # the default 16- and 64-row tilings
     python benchmarks/offline_compile.py --rows 16 --block-n 64 --warps 8 --stages 3 --dump /tmp/k
+    python benchmarks/offline_compile.py --rows 16 --tma --mask bf16   # TMA loads, float mask
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ FLOATS = ("scale_log2", "nope_scale", "pe_scale")
 def compile_decode(
     cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
-    ptx_convert: bool = False,
+    ptx_convert: bool = False, tma: bool = False, mask: str | None = None,
 ):  # fmt: skip
     """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
     kernel = tk._mla_decode_kernel
@@ -47,21 +48,33 @@ def compile_decode(
         "K_PE": dtype,
         "SEQLENS": "i32",
         "BLOCK_TABLE": "i32",
+        "MASK": mask,
     }
     const = dict(
         S_Q=s_q, H=heads, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
-        DOT_PRECISION="tf32", USE_TMA=False, KV_DESC=None, PE_DESC=None, MASK=None,
-        HAS_MASK=False, MASK_IS_BOOL=False, MASK_HIDDEN=tk.MASK_HIDDEN,
+        DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None,
+        MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert,
     )  # fmt: skip
+    if not tma:
+        const.update(KV_DESC=None, PE_DESC=None)
+    if mask is None:
+        const.update(MASK=None)
     const.update(dict.fromkeys(UNIT_STRIDES, 1))
+    # TMA descriptors of the paged views, one KV tile per load (as _descriptor builds them).
+    descriptors = {
+        "KV_DESC": f"tensordesc<{kv_dtype or dtype}[{cfg.block_n}, {kv_len}]>",
+        "PE_DESC": f"tensordesc<{dtype}[{cfg.block_n}, {rope_len}]>",
+    }
     signature, attrs = {}, {}
     for i, name in enumerate(params):
         if name in const:
             signature[name] = "constexpr"
-        elif name in POINTERS:
+        elif name in descriptors:
+            signature[name] = descriptors[name]
+        elif name in POINTERS or name == "MASK":
             signature[name] = "*" + element.get(name, "fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in FLOATS:
@@ -71,7 +84,10 @@ def compile_decode(
             if name.startswith("stride_"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     source = ASTSource(
-        kernel, signature, constexprs={(params.index(k),): v for k, v in const.items()}, attrs=attrs
+        kernel,
+        signature,
+        constexprs={(params.index(k),): v for k, v in const.items() if k in params},
+        attrs=attrs,
     )
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
@@ -98,6 +114,8 @@ def resources(compiled) -> dict:
         "mma.sync": ptx.count("mma.sync"),
         "wgmma": ptx.count("wgmma.mma_async"),
         "cp.async": ptx.count("cp.async.cg"),
+        "tma": ptx.count("cp.async.bulk.tensor"),
+        "ptx_lines": ptx.count("\n"),
     }
 
 
@@ -112,6 +130,8 @@ def main() -> None:
     p.add_argument("--kv-dtype", default=None, choices=["fp8e4nv"], help="latent cache dtype")
     p.add_argument("--kv-f16", action="store_true", help="KV_F16: fp16 dots for a float8 cache")
     p.add_argument("--ptx-convert", action="store_true", help="float8 tiles by inline PTX")
+    p.add_argument("--tma", action="store_true", help="KV tiles by TMA descriptors")
+    p.add_argument("--mask", choices=["bool", "bf16"], help="attn_mask dtype (default: none)")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     heads_for = {16: 16, 32: 32, 64: 128}
@@ -134,6 +154,8 @@ def main() -> None:
             kv_dtype=args.kv_dtype,
             kv_f16=args.kv_f16,
             ptx_convert=args.ptx_convert,
+            tma=args.tma,
+            mask={"bool": "i1", "bf16": "bf16", None: None}[args.mask],
         )
         print(cfg, resources(compiled))
         if args.dump:
