@@ -109,10 +109,15 @@ def step_function(variant: str, model):
     return torch.compile(model.forward, backend=functools.partial(mla, mode=mode))
 
 
+def run_capacity(context: int, args) -> int:
+    """Tokens per sequence a run's cache holds: the context plus every step taken on it."""
+    return context + args.warmup + args.steps + PROFILED_STEPS
+
+
 def measure(variant: str, model, batch: int, context: int, args) -> dict:
     torch._dynamo.reset()
     counters.clear()
-    capacity = context + args.warmup + args.steps + PROFILED_STEPS
+    capacity = run_capacity(context, args)
     cache = make_cache(variant, model, batch, capacity)
     fill(cache, model, batch, context)
     step = step_function(variant, model)
@@ -202,9 +207,9 @@ def run_case(variant: str, model, batch: int, context: int, args, free: int) -> 
     if "error" in result:  # what the failed step held goes back before the next case
         release_memory()
         return result
-    capacity = context + args.warmup + args.steps + PROFILED_STEPS
     per_sequence = (
-        result["cache_bytes_per_token"] * capacity + result["peak_step_mb"] * 2**20 / batch
+        result["cache_bytes_per_token"] * run_capacity(context, args)
+        + result["peak_step_mb"] * 2**20 / batch
     )
     result["fits_batch"] = int(free // per_sequence)
     result["fits_tokens"] = result["fits_batch"] * context
