@@ -1,6 +1,7 @@
 """MLA decode kernel benchmark: mla_decode vs peers vs the hardware roofline, on one GPU.
 
-    python benchmarks/bench_decode.py [--cases a,b,...] [--out benchmarks/results] [--quick]
+    python benchmarks/bench_decode.py [--cases a,b,...] [--out benchmarks/results] [--no-peers]
+    python benchmarks/bench_decode.py --split-sweep --cases e,a   # even vs balanced split plans
 
 Method
 - Ceilings measured first in the same run: device-to-device copy bandwidth (bytes read + written,
@@ -40,7 +41,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mla_ops
-from mla_ops.planner import plan_num_splits
+from mla_ops.planner import plan_splits
 
 L, R = 512, 64
 SCALE = 0.1352337788608801
@@ -138,12 +139,12 @@ class Inputs:
         if with_contiguous:  # [B, T, L+R], rows past each length are never attended
             self.contiguous = self.kv_cache[self.block_table.long()].view(b, -1, L + R)
 
-    def op_args(self, num_splits: int) -> tuple:
+    def op_args(self, num_splits: int, total_splits: int | None = None) -> tuple:
         """Arguments of ``torch.ops.mla.decode`` for this copy (causal, DeepSeek-V3 scale)."""
         kv_c, k_pe = self.decode_cache()
         return (
             self.q, kv_c, k_pe, self.cache_seqlens, self.block_table, SCALE, True, num_splits,
-            self.kv_scale, self.attn_mask,
+            self.kv_scale, self.attn_mask, total_splits,
         )  # fmt: skip
 
     def decode_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -326,13 +327,14 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
 
     # Split into decode and combine: the combine's share of the total.
     inp = first
-    num_splits = plan_num_splits(case.batch, case.heads * case.s_q, None, inp.q.device)
-    o_p, l_p = torch.ops.mla.decode(*inp.op_args(num_splits))
+    plan = plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device)
+    o_p, l_p = torch.ops.mla.decode(*inp.op_args(*plan))
     t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
         ours.extra.update(
-            num_splits=num_splits,
+            num_splits=plan.num_splits,
+            total_splits=plan.total_splits,
             combine_us=t_comb * 1e6,
             combine_share=t_comb * 1e6 / ours.time_us,
         )
@@ -375,7 +377,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
     copies = [first] + [Inputs(case, gen, False) for _ in range(n_copies - 1)]
     ref = reference(first, case)
     rows_q = case.heads * case.s_q
-    planned = plan_num_splits(case.batch, rows_q, None, first.q.device)
+    planned = even_splits(case, first.q.device)
     results = []
     for bm, bn, w, st, tma in SWEEP_CONFIGS:
         if bm > max(16, rows_q):
@@ -431,6 +433,9 @@ def main() -> None:
     p.add_argument("--tag", default="", help="suffix for the result files")
     p.add_argument("--sweep", action="store_true", help="tiling/split sweep of our kernel only")
     p.add_argument("--diagnose", action="store_true", help="registers/spills/PTX of our kernel")
+    p.add_argument(
+        "--split-sweep", action="store_true", help="split plans (even vs balanced), default tiling"
+    )
     args = p.parse_args()
     try:
         from tqdm import tqdm
@@ -460,8 +465,10 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         diagnose(selected, Path(args.out))
     if args.sweep:
-        run_sweep(selected, meta, Path(args.out), props.L2_cache_size)
-    if args.sweep or args.diagnose:
+        run_sweep(selected, meta, Path(args.out))
+    if args.split_sweep:
+        run_split_sweep(selected, meta, Path(args.out))
+    if args.sweep or args.diagnose or args.split_sweep:
         return
     bar = tqdm(total=len(selected), desc="cases", file=sys.stderr) if tqdm else None
     rows: list[Row] = []
@@ -573,27 +580,111 @@ def diagnose(selected: list[Case], out: Path) -> None:
         torch.cuda.empty_cache()
 
 
-def run_sweep(selected: list[Case], meta: dict, out: Path, l2_bytes: int) -> None:
+def floor_seconds(case: Case, meta: dict) -> float:
+    """The case's roofline time, ``max(bytes / copy_bw, flops / matmul_rate)``, in seconds."""
+    inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
+    nbytes, flops = case_cost(case, inp)
+    return max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
+
+
+def even_splits(case: Case, device: torch.device) -> int:
+    """The planner's chunks per sequence for a uniform batch of this shape (one wave)."""
+    plan = plan_splits(case.batch, case.heads * case.s_q, None, device)
+    return plan.total_splits // case.batch if plan.total_splits else plan.num_splits
+
+
+def split_sweep(case: Case, l2_bytes: int) -> list[dict]:
+    """The default tiling under several split plans (graph replays of decode + combine).
+
+    Even plans cut every sequence into ``n`` chunks of its own length (no ``total_splits``);
+    balanced plans give every chunk of the batch one length, from ``total_splits`` chunks over
+    the batch's tokens, with ``num_splits`` = headroom x the even count.
+    """
+    from mla_ops.planner import MAX_SPLITS, split_bounds
+
+    gen = torch.Generator().manual_seed(0)
+    first = Inputs(case, gen, with_contiguous=False)
+    n_copies = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
+    copies = [first] + [Inputs(case, gen, False) for _ in range(n_copies - 1)]
+    ref = reference(first, case)
+    even = even_splits(case, first.q.device)
+    plans = [(min(MAX_SPLITS, k * even), None) for k in (1, 2, 4)]
+    plans += [
+        (min(MAX_SPLITS, headroom * even), waves * case.batch * even)
+        for headroom in (1, 2, 4)
+        for waves in (1, 2)
+    ]
+    plan = plan_splits(case.batch, case.heads * case.s_q, None, first.q.device)
+    results = []
+    for num_splits, total_splits in dict.fromkeys(plans):
+        start, end = split_bounds(first.lengths, num_splits, total_splits)
+        chunks = (end > start).sum(-1)  # [B] non-empty chunks per sequence
+
+        def make(inp, num_splits=num_splits, total_splits=total_splits):
+            def fn():
+                o, lse = torch.ops.mla.decode(*inp.op_args(num_splits, total_splits))
+                return torch.ops.mla.combine(o, lse, torch.bfloat16)[0]
+
+            return fn
+
+        fns = [make(inp) for inp in copies]
+        err = rel_err(fns[0](), ref)
+        t = time_rotating([graphed(f) for f in fns], warmup=10, rep=100)
+        results.append(
+            dict(
+                case=case.name,
+                num_splits=num_splits,
+                total_splits=total_splits,
+                planner=(num_splits, total_splits) == tuple(plan),
+                chunks=int(chunks.sum()),
+                max_chunk_tokens=int((end - start).max()),
+                us=t * 1e6,
+                rel_err=err,
+            )
+        )
+    return results
+
+
+def sweep_cases(name: str, sweep_one, selected: list[Case], meta: dict, out: Path) -> list[dict]:
+    """``sweep_one(case, l2_bytes)`` over the cases, written to ``{name}_<device>_<date>.json``."""
     results = []
     for case in selected:
-        results += sweep(case, l2_bytes)
+        results += sweep_one(case, meta["l2_bytes"])
         torch.cuda.empty_cache()
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"sweep_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}"
+    stem = f"{name}_{meta['device'].replace(' ', '_')}_{meta['date'][:10]}"
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return results
+
+
+def run_split_sweep(selected: list[Case], meta: dict, out: Path) -> None:
+    results = sweep_cases("splits", split_sweep, selected, meta, out)
+    print(
+        f"{'case':<5}{'num_splits':>11}{'total_splits':>13}{'chunks':>7}{'max chunk':>10}"
+        f"{'us':>9}{'roofline':>9}{'rel_err':>9}  planner"
+    )
+    for case in selected:
+        floor = floor_seconds(case, meta)
+        for r in (r for r in results if r["case"] == case.name):
+            print(
+                f"{case.name:<5}{r['num_splits']:>11}{r['total_splits']!s:>13}{r['chunks']:>7}"
+                f"{r['max_chunk_tokens']:>10}{r['us']:>9.1f}{floor / (r['us'] * 1e-6):>9.2f}"
+                f"{r['rel_err']:>9.1e}  {'<-' if r['planner'] else ''}"
+            )
+
+
+def run_sweep(selected: list[Case], meta: dict, out: Path) -> None:
+    results = sweep_cases("sweep", sweep, selected, meta, out)
     print(
         f"{'case':<5}{'best cfg (bm,bn,warps,stages,tma)':<34}{'splits':>7}{'us':>9}{'roofline':>9}"
     )
     for case in selected:
         ok = [r for r in results if r["case"] == case.name and r.get("us")]
         best = sorted(ok, key=lambda r: r["us"])[:3]
-        inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
-        nbytes, flops = case_cost(case, inp)
-        floor = max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
+        floor = floor_seconds(case, meta)
         for r in best:
             frac = floor / (r["us"] * 1e-6)
             print(f"{case.name:<5}{r['cfg']!s:<34}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
-        del inp
 
 
 def plot(rows: list[Row], meta: dict, path: Path) -> None:

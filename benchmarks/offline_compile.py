@@ -8,6 +8,7 @@ from the local Triton, which may differ from the GPU machine's (NOTES.md says wh
     python benchmarks/offline_compile.py                       # the default 16- and 64-row tilings
     python benchmarks/offline_compile.py --rows 16 --block-n 64 --warps 8 --stages 3 --dump /tmp/k
     python benchmarks/offline_compile.py --rows 16 --tma --mask bf16   # TMA loads, float mask
+    python benchmarks/offline_compile.py --tma --balanced              # one chunk length per batch
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def compile_decode(
     cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
     ptx_convert: bool = False, tma: bool = False, mask: str | None = None,
+    balanced: bool = False,
 ):  # fmt: skip
     """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
     kernel = tk._mla_decode_kernel
@@ -56,7 +58,7 @@ def compile_decode(
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
-        KV_F16=kv_f16, PTX_CONVERT=ptx_convert,
+        KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128,
     )  # fmt: skip
     if not tma:
         const.update(KV_DESC=None, PE_DESC=None)
@@ -132,6 +134,7 @@ def main() -> None:
     p.add_argument("--ptx-convert", action="store_true", help="float8 tiles by inline PTX")
     p.add_argument("--tma", action="store_true", help="KV tiles by TMA descriptors")
     p.add_argument("--mask", choices=["bool", "bf16"], help="attn_mask dtype (default: none)")
+    p.add_argument("--balanced", action="store_true", help="chunks from total_splits")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     heads_for = {16: 16, 32: 32, 64: 128}
@@ -156,6 +159,7 @@ def main() -> None:
             ptx_convert=args.ptx_convert,
             tma=args.tma,
             mask={"bool": "i1", "bf16": "bf16", None: None}[args.mask],
+            balanced=args.balanced,
         )
         print(cfg, resources(compiled))
         if args.dump:

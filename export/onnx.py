@@ -94,6 +94,7 @@ def _standard_table() -> dict[Callable, Callable]:
         num_splits: int = 1,
         kv_scale: float | None = None,
         attn_mask=None,
+        total_splits: int | None = None,
     ):
         acc = acc_type(q)
         zero_i = const_i64([0])
@@ -174,12 +175,18 @@ def _standard_table() -> dict[Callable, Callable]:
             op.Unsqueeze(op.Greater(seen, zero), const_i64([2])), values_rows, zero
         )
 
-        # split_bounds (mla_ops/planner.py): chunk = max(round_up(ceil(len / n), GRANULE), MIN)
-        per_split = op.Div(op.Add(seqlen, const_i64([num_splits - 1])), const_i64([num_splits]))
+        # split_bounds (mla_ops/planner.py): chunk = max(round_up(ceil(len / n), GRANULE), MIN),
+        # and with total_splits at least round_up(ceil(sum(len) / total_splits), GRANULE).
         granule = const_i64([SPLIT_GRANULE])
-        per_split = op.Mul(
-            op.Div(op.Add(per_split, const_i64([SPLIT_GRANULE - 1])), granule), granule
-        )
+
+        def ceil_to_granule(tokens, parts: int):
+            per_part = op.Div(op.Add(tokens, const_i64([parts - 1])), const_i64([parts]))
+            return op.Mul(op.Div(op.Add(per_part, const_i64([SPLIT_GRANULE - 1])), granule), granule)
+
+        per_split = ceil_to_granule(seqlen, num_splits)  # [B]
+        if total_splits is not None:
+            total = op.ReduceSum(seqlen, zero_i, keepdims=1)  # [1]
+            per_split = op.Max(per_split, ceil_to_granule(total, total_splits))
         chunk = op.Max(per_split, const_i64([MIN_CHUNK]))  # [B]
         outs, lses = [], []
         for split in range(num_splits):
@@ -299,6 +306,12 @@ def _custom_schemas() -> list:
             attr("softmax_scale", OpSchema.AttrType.FLOAT, "score scale"),
             attr("causal", OpSchema.AttrType.INT, "1: query i sees keys <= len - S_q + i"),
             attr("num_splits", OpSchema.AttrType.INT, "split-KV chunks per sequence"),
+            attr(
+                "total_splits",
+                OpSchema.AttrType.INT,
+                "chunks over the batch (one chunk length for all sequences)",
+                required=False,
+            ),
             attr("kv_scale", OpSchema.AttrType.FLOAT, "float8 dequant scale", required=False),
         ],
     )
@@ -348,12 +361,15 @@ def _custom_table() -> dict[Callable, Callable]:
         num_splits: int = 1,
         kv_scale: float | None = None,
         attn_mask=None,
+        total_splits: int | None = None,
     ):
         attributes = dict(
             softmax_scale=float(softmax_scale), causal=int(causal), num_splits=int(num_splits)
         )
         if kv_scale is not None:
             attributes["kv_scale"] = float(kv_scale)
+        if total_splits is not None:
+            attributes["total_splits"] = int(total_splits)
         out, lse = mla.Decode(q, kv_c, k_pe, cache_seqlens, block_table, attn_mask, **attributes)
         acc = _dtype_of("DOUBLE") if q.dtype == _dtype_of("DOUBLE") else _dtype_of("FLOAT")
         out.type = lse.type = _tensor_type(acc)  # a custom node's outputs have no inferred type

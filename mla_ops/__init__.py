@@ -12,14 +12,15 @@ from .ops import (
     quantize_kv_fp8,
     split_kv_cache,
 )
-from .planner import plan_num_splits
+from .planner import SplitPlan, plan_splits
 
 __all__ = [
     "FP8_CACHE_DTYPE",
     "SUPPORTED_DTYPES",
+    "SplitPlan",
     "mla_combine",
     "mla_decode",
-    "plan_num_splits",
+    "plan_splits",
     "quantize_kv_fp8",
     "split_kv_cache",
 ]

@@ -3,10 +3,12 @@
 Two ops in namespace ``mla``:
 
 * ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-  kv_scale=None, attn_mask=None) -> (out_partial [B, S_q, H, num_splits, L],
+  kv_scale=None, attn_mask=None, total_splits=None) -> (out_partial [B, S_q, H, num_splits, L],
   lse_partial [B, S_q, H, num_splits])``: split-KV attention of the absorbed query over the latent
   cache (MQA, one KV head). Scores are ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale`` (plus a
   float ``attn_mask``); the value is ``kv_c``. Empty splits give ``lse = -inf`` and ``out = 0``.
+  Where each split starts and ends: ``planner.split_bounds`` (``total_splits`` balances a ragged
+  batch).
 * ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
   -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
   e.g. a prefix and a suffix).
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .planner import log, plan_num_splits
+from .planner import log, plan_splits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # A latent cache may also be stored in float8 e4m3 with one dequantisation scale (kv_scale).
@@ -72,11 +74,14 @@ def check_decode_args(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     softmax_scale: float,
+    causal: bool,
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> None:
-    """Shape, dtype and device checks of ``mla::decode`` (metadata only: no host sync)."""
+    """Shape, dtype and device checks of ``mla::decode``, arguments in the op's order (metadata
+    only: no host sync)."""
     _check_floating("q", q)
     if q.dim() != 4:
         _fail(f"q must be [batch, S_q, heads, L+R], got shape {tuple(q.shape)}")
@@ -122,6 +127,8 @@ def check_decode_args(
         _fail(f"softmax_scale must be finite, got {softmax_scale}")
     if num_splits < 1:
         _fail(f"num_splits must be >= 1, got {num_splits}")
+    if total_splits is not None and total_splits < 1:
+        _fail(f"total_splits must be >= 1 or None, got {total_splits}")
     fp8 = FP8_CACHE_DTYPE in (kv_c.dtype, k_pe.dtype)
     if fp8 and kv_scale is None:
         raise TypeError("a float8_e4m3fn cache needs kv_scale (stored value x kv_scale = real)")
@@ -197,21 +204,11 @@ def _values_checked_on(device: torch.device) -> bool:
     return device.type != "cuda" or os.environ.get("MLA_OPS_CHECK_VALUES", "0") == "1"
 
 
-def _check_decode(
-    q: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    softmax_scale: float,
-    num_splits: int,
-    kv_scale: float | None,
-    attn_mask: torch.Tensor | None,
-) -> None:
-    """Every check of a real (non-fake) decode call: metadata always, values where allowed."""
-    check_decode_args(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
-    )
+def _check_decode(*args) -> None:
+    """Every check of a real (non-fake) decode call (the op's arguments): metadata always, values
+    where allowed."""
+    check_decode_args(*args)
+    q, kv_c, _, cache_seqlens, block_table = args[:5]
     if _values_checked_on(q.device):
         check_decode_values(q, kv_c, cache_seqlens, block_table)
 
@@ -231,23 +228,13 @@ def decode(
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode partials. See the module docstring for shapes."""
-    _check_decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
-    )
-    return reference.decode(
-        q,
-        kv_c,
-        k_pe,
-        cache_seqlens,
-        block_table,
-        softmax_scale,
-        causal,
-        num_splits,
-        kv_scale,
-        attn_mask,
-    )
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
+            attn_mask, total_splits)  # fmt: skip
+    _check_decode(*args)
+    return reference.decode(*args)
 
 
 @decode.register_kernel("cuda")
@@ -262,40 +249,19 @@ def _decode_cuda(
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_decode(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
-    )
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
+            attn_mask, total_splits)  # fmt: skip
+    _check_decode(*args)
     if q.dtype == torch.float64:
         # Triton passes float scalars (the scale) as fp32, which caps accuracy near 1e-8: float64
         # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.
         log.debug("mla::decode: float64 on CUDA runs the PyTorch implementation")
-        return reference.decode(
-            q,
-            kv_c,
-            k_pe,
-            cache_seqlens,
-            block_table,
-            softmax_scale,
-            causal,
-            num_splits,
-            kv_scale,
-            attn_mask,
-        )
+        return reference.decode(*args)
     from . import triton_kernels
 
-    return triton_kernels.decode(
-        q,
-        kv_c,
-        k_pe,
-        cache_seqlens,
-        block_table,
-        softmax_scale,
-        causal,
-        num_splits,
-        kv_scale,
-        attn_mask,
-    )
+    return triton_kernels.decode(*args)
 
 
 @decode.register_fake
@@ -310,10 +276,11 @@ def _decode_fake(
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_decode_args(
-        q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits, kv_scale, attn_mask
-    )
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
+            attn_mask, total_splits)  # fmt: skip
+    check_decode_args(*args)
     batch, s_q, heads, _ = q.shape
     acc = reference.accumulation_dtype(q.dtype)
     out = q.new_empty((batch, s_q, heads, num_splits, kv_c.shape[-1]), dtype=acc)
@@ -546,6 +513,7 @@ def mla_decode(
     num_splits: int | None = None,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a (paged) latent cache.
 
@@ -558,7 +526,12 @@ def mla_decode(
         head_dim_v: L, the value width: the value is ``kv_cache[..., :head_dim_v]``.
         softmax_scale: applied to the scores; DeepSeek's is ``(P+R)**-0.5 * mscale**2``.
         causal: query i of S_q sees keys ``[0, cache_seqlens - S_q + i]``.
-        num_splits: split-KV chunks per sequence; ``None`` lets the planner choose.
+        num_splits: split-KV chunks per sequence, each ``ceil(len / num_splits)`` tokens rounded
+            up (``planner.split_bounds``); ``None`` lets the planner choose the number and also
+            balance a ragged batch (chunks of one length across the batch, ``plan_splits``).
+        total_splits: with it, chunks are about ``sum(cache_seqlens) / total_splits`` tokens for
+            every sequence (no sequence cut into more than ``num_splits``), so that a ragged
+            batch balances; ``None`` with ``num_splits=None``: the planner's.
         kv_scale: dequantisation scale of a ``float8_e4m3fn`` cache (real = stored x kv_scale),
             one per tensor; required for fp8, rejected otherwise. In the pair form k_pe may stay
             in q's dtype (unscaled) while kv_c is fp8. See ``quantize_kv_fp8``.
@@ -586,13 +559,17 @@ def mla_decode(
         cache_seqlens,
         block_table,
         softmax_scale,
+        causal,
         1 if num_splits is None else num_splits,
         None if kv_scale is None else float(kv_scale),
         attn_mask,
+        total_splits,
     )
     if num_splits is None:
         capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        num_splits = plan_num_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)
+        plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)
+        num_splits = plan.num_splits
+        total_splits = plan.total_splits if total_splits is None else total_splits
     out_partial, lse_partial = torch.ops.mla.decode(
         q,
         kv_c,
@@ -604,6 +581,7 @@ def mla_decode(
         num_splits,
         None if kv_scale is None else float(kv_scale),
         attn_mask,
+        total_splits,
     )
     out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
     return out, lse

@@ -3,19 +3,26 @@
 Two separate decisions live here, and both the Triton kernel and the PyTorch reference use them so
 that ``mla::decode`` returns the same partials on every device:
 
-* ``split_bounds``: given a sequence's length and the requested ``num_splits``, the token range of
-  each split. Chunks are at least ``MIN_CHUNK`` tokens and a multiple of ``SPLIT_GRANULE``, so a
-  short sequence uses fewer splits than requested; the rest are empty (``lse = -inf``, ``o = 0``).
-  This is decided per sequence on the device, from ``cache_seqlens``, without a host sync.
-* ``plan_num_splits``: the host-side choice of ``num_splits`` from static quantities only (batch,
-  query rows per sequence, cache capacity, multiprocessor count), never from the lengths' values,
-  so it needs no host synchronisation and does not change with the cache length under compile.
+* ``split_bounds``: given the batch's lengths, ``num_splits`` and optionally ``total_splits``, the
+  token range of each split. Chunks are at least ``MIN_CHUNK`` tokens and a multiple of
+  ``SPLIT_GRANULE``, so a short sequence uses fewer splits than requested; the rest are empty
+  (``lse = -inf``, ``o = 0``). Without ``total_splits`` each sequence is cut into ``num_splits``
+  even chunks of its own length. With it, every sequence is cut into chunks of the same length,
+  about ``sum(lengths) / total_splits`` (and never so short that a sequence needs more than
+  ``num_splits``): a ragged batch then gives every program about the same work, where even
+  per-sequence splits make the longest sequence's chunks the whole wave's time. Decided on the
+  device, from ``cache_seqlens``, without a host sync.
+* ``plan_splits``: the host-side choice of ``num_splits`` and ``total_splits`` from static
+  quantities only (batch, query rows per sequence, cache capacity, multiprocessor count), never
+  from the lengths' values, so it needs no host synchronisation and does not change with the
+  cache length under compile.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -30,21 +37,38 @@ MAX_SPLITS = 64
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
 
+# A planned batch may cut one sequence into this many times its even share of chunks: the room a
+# ragged batch's long sequences need to be cut into chunks as short as everyone else's.
+RAGGED_HEADROOM = 2
+
 # Batch size assumed when the batch is symbolic (torch.export with a dynamic batch): planning from
 # a symbolic value would specialise the program. Pass ``num_splits`` to choose explicitly.
 SYMBOLIC_BATCH_ASSUMPTION = 8
 
 
-def split_len(seqlen: torch.Tensor, num_splits: int) -> torch.Tensor:
-    """Tokens per split for each sequence (int tensor, same shape as ``seqlen``)."""
-    per_split = (seqlen + num_splits - 1) // num_splits
-    per_split = (per_split + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
+def _round_up_to_granule(tokens: torch.Tensor) -> torch.Tensor:
+    return (tokens + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
+
+
+def split_len(
+    seqlen: torch.Tensor, num_splits: int, total_splits: int | None = None
+) -> torch.Tensor:
+    """Tokens per split for each sequence (int tensor, same shape as ``seqlen``).
+
+    seqlen: ``[B]`` lengths of the whole batch (``total_splits`` reads their sum).
+    """
+    per_split = _round_up_to_granule((seqlen + num_splits - 1) // num_splits)
+    if total_splits is not None:
+        balanced = _round_up_to_granule((seqlen.sum() + total_splits - 1) // total_splits)
+        per_split = torch.maximum(per_split, balanced.to(per_split.dtype))
     return per_split.clamp_min(MIN_CHUNK)
 
 
-def split_bounds(seqlen: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(start, end)`` of every split: two ``[..., num_splits]`` tensors, ``end <= seqlen``."""
-    chunk = split_len(seqlen, num_splits).unsqueeze(-1)
+def split_bounds(
+    seqlen: torch.Tensor, num_splits: int, total_splits: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(start, end)`` of every split: two ``[B, num_splits]`` tensors, ``end <= seqlen``."""
+    chunk = split_len(seqlen, num_splits, total_splits).unsqueeze(-1)
     split_id = torch.arange(num_splits, device=seqlen.device, dtype=seqlen.dtype)
     start = split_id * chunk
     end = torch.minimum(start + chunk, seqlen.unsqueeze(-1))
@@ -70,23 +94,35 @@ def programs_per_sm(query_rows: int) -> int:
     return 2 if rows_per_program(query_rows) <= 16 else 1
 
 
-def plan_num_splits(
+class SplitPlan(NamedTuple):
+    """``num_splits`` and ``total_splits`` for ``mla::decode`` (see ``split_bounds``)."""
+
+    num_splits: int
+    total_splits: int | None
+
+
+def plan_splits(
     batch_size: int | torch.SymInt,
     query_rows: int,
     capacity: int | torch.SymInt | None,
     device: torch.device,
-) -> int:
-    """Choose ``num_splits`` for ``mla_decode`` without looking at tensor values.
+) -> SplitPlan:
+    """Choose ``num_splits`` and ``total_splits`` for ``mla_decode`` without reading tensor values.
 
     batch_size: sequences in the batch; query_rows: heads x S_q; capacity: the most tokens one
     sequence can hold (cache length or pages x page size), used only when it is a plain int.
-    Returns 1 off CUDA (the reference gains nothing from splitting).
+    The chunks of one wave of resident programs are spread over the batch's tokens
+    (``total_splits``), and one sequence may take up to ``RAGGED_HEADROOM`` times its even share
+    (``num_splits``). A uniform batch gets exactly the even per-sequence split; a symbolic batch
+    gets even per-sequence splits (no ``total_splits``). Returns ``(1, None)`` off CUDA (the
+    reference gains nothing from splitting).
     """
     if device.type != "cuda":
-        return 1
+        return SplitPlan(1, None)
     # Logging is skipped while dynamo traces (it cannot trace logger calls).
     tracing = torch.compiler.is_compiling()
-    if not isinstance(batch_size, int):
+    symbolic = not isinstance(batch_size, int)
+    if symbolic:
         if not tracing:
             log.info(
                 "mla_decode planner: batch size is symbolic, planning for %d sequences "
@@ -94,23 +130,27 @@ def plan_num_splits(
                 SYMBOLIC_BATCH_ASSUMPTION,
             )
         batch_size = SYMBOLIC_BATCH_ASSUMPTION
+    batch_size = max(1, batch_size)
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _multiprocessor_count(index)
-    programs_per_split = max(1, batch_size) * math.ceil(query_rows / rows_per_program(query_rows))
-    # As many splits as fill one wave of resident programs, and no more: a partial second wave
+    programs_per_split = batch_size * math.ceil(query_rows / rows_per_program(query_rows))
+    # As many chunks as fill one wave of resident programs, and no more: a partial second wave
     # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
-    wanted = max(1, sms * programs_per_sm(query_rows) // programs_per_split)
+    even = max(1, sms * programs_per_sm(query_rows) // programs_per_split)
     limit = MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
-    num_splits = max(1, min(wanted, limit))
+    if symbolic:
+        plan = SplitPlan(max(1, min(even, limit)), None)
+    else:
+        plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)
     if not tracing:
         log.debug(
-            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d -> num_splits=%d",
+            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d -> %s",
             batch_size,
             query_rows,
             capacity,
             sms,
-            num_splits,
+            plan,
         )
-    return num_splits
+    return plan

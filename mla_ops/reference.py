@@ -74,6 +74,7 @@ def decode(
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV partials: ``o [B, S_q, H, num_splits, L]`` and ``lse [B, S_q, H, num_splits]``.
 
@@ -108,7 +109,7 @@ def decode(
         scores = scores + bias[:, :, None, :]
     # Keys no query sees (left padding) may hold NaN: keep them out of P @ V, as the kernel does.
     values = rows[..., :kv_len].masked_fill(~visible.any(dim=1)[..., None], 0.0)  # [B, T, L]
-    start, end = split_bounds(seqlen, num_splits)  # [B, num_splits]
+    start, end = split_bounds(seqlen, num_splits, total_splits)  # [B, num_splits]
 
     out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
     lse = q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)

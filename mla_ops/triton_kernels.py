@@ -110,6 +110,22 @@ def _gather_tile_scores(
 
 
 @triton.jit
+def _store_partial(
+    O_PART, LSE_PART, out, lse, b64, s_idx, h_idx, split, offs_l, row_ok, l_ok, stride_ob,
+    stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
+):  # fmt: skip
+    """One split's ``out [BLOCK_M, BLOCK_L]`` and ``lse [BLOCK_M]`` into the partials."""
+    o_row = O_PART + b64 * stride_ob + s_idx * stride_os + h_idx * stride_oh + split * stride_ok
+    tl.store(
+        o_row[:, None] + offs_l[None, :] * stride_od,
+        out.to(O_PART.dtype.element_ty),
+        mask=row_ok[:, None] & l_ok[None, :],
+    )
+    lse_ptr = LSE_PART + b64 * stride_lb + s_idx * stride_ls + h_idx * stride_lh + split * stride_lk
+    tl.store(lse_ptr, lse.to(LSE_PART.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
 def _mla_decode_kernel(
     Q,  # [B, S_q, H, L+R]
     KV_C,  # [num_pages, page_size, L]  (non-paged: [B, T, L], a "page" per sequence)
@@ -153,6 +169,8 @@ def _mla_decode_kernel(
     nope_scale,  # dequantisation scale of kv_c (1.0 unless float8)
     pe_scale,  # dequantisation scale of k_pe (1.0 unless float8)
     num_splits,
+    total_splits,  # 0: each sequence cut into num_splits even chunks (planner.split_bounds)
+    batch,
     S_Q: tl.constexpr,
     H: tl.constexpr,
     L: tl.constexpr,
@@ -174,6 +192,8 @@ def _mla_decode_kernel(
     MASK_HIDDEN: tl.constexpr,
     KV_F16: tl.constexpr,  # float8 kv_c with a 16-bit query: nope dots and P @ V in fp16
     PTX_CONVERT: tl.constexpr,  # KV_F16 on sm_89+ CUDA: float8 tiles converted by _e4m3_to_f16
+    BALANCED: tl.constexpr,  # total_splits > 0
+    BLOCK_B: tl.constexpr,  # sequences summed per step when BALANCED
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -193,9 +213,29 @@ def _mla_decode_kernel(
     # This split's token range (same formula as planner.split_bounds).
     seqlen = tl.load(SEQLENS + b)
     per_split = tl.cdiv(tl.cdiv(seqlen, num_splits), GRANULE) * GRANULE
+    if BALANCED:
+        # One chunk length for the whole batch, from its total length (every program sums the
+        # lengths: B int32 from L2, against the thousands of cache rows it reads).
+        total = tl.zeros([BLOCK_B], dtype=tl.int64)
+        for b0 in range(0, batch, BLOCK_B):
+            offs_b = b0 + tl.arange(0, BLOCK_B)
+            total += tl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(tl.int64)
+        balanced = tl.cdiv(tl.cdiv(tl.sum(total, 0), total_splits), GRANULE) * GRANULE
+        per_split = tl.maximum(per_split, balanced.to(tl.int32))
     chunk = tl.maximum(per_split, MIN_CHUNK)
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
+
+    if start >= end:
+        # An empty split (past its sequence's end): the contract's zeros and -inf, without reading
+        # the query. A balanced plan leaves up to RAGGED_HEADROOM x more splits than it fills.
+        _store_partial(
+            O_PART, LSE_PART, tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32),
+            tl.full([BLOCK_M], float("-inf"), tl.float32), b64, s_idx, h_idx, split, offs_l,
+            row_ok, l_ok, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
+            stride_ls, stride_lh, stride_lk,
+        )  # fmt: skip
+        return
 
     q_row = Q + b64 * stride_qb + s_idx * stride_qs + h_idx * stride_qh  # [BLOCK_M]
     q_nope = tl.load(
@@ -342,14 +382,10 @@ def _mla_decode_kernel(
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
 
-    o_row = O_PART + b64 * stride_ob + s_idx * stride_os + h_idx * stride_oh + split * stride_ok
-    tl.store(
-        o_row[:, None] + offs_l[None, :] * stride_od,
-        out.to(O_PART.dtype.element_ty),
-        mask=row_ok[:, None] & l_ok[None, :],
-    )
-    lse_ptr = LSE_PART + b64 * stride_lb + s_idx * stride_ls + h_idx * stride_lh + split * stride_lk
-    tl.store(lse_ptr, lse.to(LSE_PART.dtype.element_ty), mask=row_ok)
+    _store_partial(
+        O_PART, LSE_PART, out, lse, b64, s_idx, h_idx, split, offs_l, row_ok, l_ok, stride_ob,
+        stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -403,6 +439,12 @@ def _mla_combine_kernel(
         OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok
     )
 
+
+# Sequence lengths one decode program sums per step for a balanced split (``total_splits``).
+# Fixed, not the batch's power of two: one compiled kernel for every batch size, and on an H100
+# a 32-wide block made ptxas spill 168 bytes in the 64-row kernel (case (b) 1.57x slower; 128 and
+# 1024 spill 22, as without the sum: benchmarks/NOTES.md item 21).
+LENGTHS_PER_STEP = 128
 
 # The compiled kernel of the latest launch, for diagnostics (registers, spills, PTX).
 LAST_LAUNCH: dict[str, object] = {}
@@ -555,6 +597,7 @@ def decode(
     num_splits: int,
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
     config: DecodeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only."""
@@ -635,6 +678,8 @@ def decode(
             kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
             kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
             num_splits,
+            total_splits or 0,
+            batch,
             S_Q=s_q,
             H=heads,
             L=kv_len,
@@ -656,6 +701,8 @@ def decode(
             MASK_HIDDEN=MASK_HIDDEN,
             KV_F16=kv_f16,
             PTX_CONVERT=ptx_convert,
+            BALANCED=total_splits is not None,
+            BLOCK_B=LENGTHS_PER_STEP,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

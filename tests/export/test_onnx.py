@@ -33,20 +33,22 @@ class DecodeAndCombine(torch.nn.Module):
         c = self.case
         out_partial, lse_partial = torch.ops.mla.decode(
             q, kv_c, k_pe, cache_seqlens, block_table, c.softmax_scale, c.causal,
-            c.num_splits, None, attn_mask,
+            c.num_splits, None, attn_mask, c.total_splits,
         )  # fmt: skip
         out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
         return out_partial, lse_partial, out, lse
 
 
 # Seeds of make_case drawn to cover: paged (page size 1 and 3) and dense, causal, S_q > 1,
-# several splits over long sequences, empty sequences, bool and float masks, 3 heads.
+# several splits over long sequences, empty sequences, bool and float masks, 3 heads, chunks of
+# one batch-wide length (total_splits).
 OP_CASES = [
     dict(seed=1, page_size=1, s_q=3, causal=True, num_splits=2, mask="float"),
     dict(seed=2, page_size=3, heads=3, num_splits=3, max_len=700, mask="bool"),
     dict(seed=3, page_size=None, s_q=2, lengths=[0, 300, 2], causal=True, num_splits=2),
     dict(seed=4, page_size=16, lengths=[700, 0], num_splits=5, mask="bool"),
     dict(seed=5, page_size=None, heads=1, dims=(64, 0), causal=False, mask="float"),
+    dict(seed=6, page_size=16, lengths=[1500, 0, 300, 900], num_splits=6, total_splits=4),
 ]
 
 

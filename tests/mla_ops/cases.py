@@ -40,6 +40,7 @@ class DecodeCase:
     num_splits: int
     kv_scale: float | None = None  # set for a float8 cache
     attn_mask: torch.Tensor | None = None  # [B, S_q, T_m] bool or float
+    total_splits: int | None = None  # chunks over the batch (planner.split_bounds)
 
     def op_args(self) -> tuple:
         return (
@@ -53,6 +54,7 @@ class DecodeCase:
             self.num_splits,
             self.kv_scale,
             self.attn_mask,
+            self.total_splits,
         )
 
     def reference(self, token_range=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +77,8 @@ class DecodeCase:
         page = None if self.block_table is None else self.kv_c.shape[1]
         return (
             f"B={b} S_q={s} H={h} L={self.head_dim_v} R={d - self.head_dim_v} page={page} "
-            f"lens={self.cache_seqlens.tolist()} causal={self.causal} splits={self.num_splits} "
+            f"lens={self.cache_seqlens.tolist()} causal={self.causal} "
+            f"splits={self.num_splits}/{self.total_splits} "
             f"pair={isinstance(self.kv_cache, tuple)} dtype={self.q.dtype} "
             f"cache={self.kv_c.dtype}/{self.k_pe.dtype} "
             f"mask={None if self.attn_mask is None else self.attn_mask.dtype}"
@@ -99,6 +102,7 @@ def make_case(
     lengths: list[int] | None = None,
     cache_dtype: torch.dtype | None = None,
     mask: str | None = None,
+    total_splits: int | None = None,
 ) -> DecodeCase:
     """A random decode problem; every argument left out is drawn from ``seed``.
 
@@ -178,6 +182,7 @@ def make_case(
         num_splits=num_splits,
         kv_scale=kv_scale,
         attn_mask=None if attn_mask is None else attn_mask.to(device),
+        total_splits=total_splits,
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -27,6 +29,7 @@ def run_and_check(case, dtype, planner: bool = False) -> None:
         num_splits=None if planner else case.num_splits,
         kv_scale=case.kv_scale,
         attn_mask=case.attn_mask,
+        total_splits=None if planner else case.total_splits,
     )
     b, s, h, _ = case.q.shape
     assert out.shape == (b, s, h, case.head_dim_v) and out.dtype == case.q.dtype
@@ -85,12 +88,13 @@ def test_planner_default_is_correct(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("total_splits", [None, 2])
 @pytest.mark.parametrize("seed", range(8))
-def test_partials_are_per_split_attention(seed: int, device: str) -> None:
+def test_partials_are_per_split_attention(seed: int, total_splits: int | None, device: str) -> None:
     """Each split's partial state is attention over exactly that split's tokens."""
-    case = make_case(seed, device=device, max_len=900, num_splits=3)
+    case = make_case(seed, device=device, max_len=900, num_splits=3, total_splits=total_splits)
     out_p, lse_p = torch.ops.mla.decode(*case.op_args())
-    start, end = split_bounds(case.cache_seqlens.cpu(), case.num_splits)
+    start, end = split_bounds(case.cache_seqlens.cpu(), case.num_splits, case.total_splits)
     for split in range(case.num_splits):
         ref_out, ref_lse = case.reference(token_range=(start[:, split], end[:, split]))
         assert_matches(
@@ -103,19 +107,64 @@ def test_partials_are_per_split_attention(seed: int, device: str) -> None:
         )
 
 
-def test_split_bounds_cover_each_sequence() -> None:
-    lengths = torch.tensor([0, 1, 255, 256, 257, 1000, 4096, 65536], dtype=torch.int32)
-    for num_splits in (1, 2, 3, 7, 64):
-        start, end = split_bounds(lengths, num_splits)
-        for b, length in enumerate(lengths.tolist()):
-            covered = []
-            for s in range(num_splits):
-                if end[b, s] > start[b, s]:
-                    covered.extend(range(int(start[b, s]), int(end[b, s])))
-                    assert start[b, s] % SPLIT_GRANULE == 0
-            assert covered == list(range(length))
-            nonempty = int((end[b] > start[b]).sum())
-            assert nonempty <= max(1, -(-length // MIN_CHUNK))
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("total_splits", [1, 3, 8])
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_splits(seed: int, total_splits: int, device: str) -> None:
+    """Ragged batches (empty sequences, S_q > 1, masks) cut into chunks of one batch-wide length."""
+    case = make_case(
+        seed + 40, device=device, max_len=2000, num_splits=6, total_splits=total_splits
+    )
+    run_and_check(case, torch.float32)
+
+
+LENGTHS = torch.tensor([0, 1, 255, 256, 257, 1000, 4096, 65536], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("total_splits", [None, 1, 3, 16, 1000])
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_split_bounds_cover_each_sequence(num_splits: int, total_splits: int | None) -> None:
+    start, end = split_bounds(LENGTHS, num_splits, total_splits)
+    for b, length in enumerate(LENGTHS.tolist()):
+        covered = []
+        for s in range(num_splits):
+            if end[b, s] > start[b, s]:
+                covered.extend(range(int(start[b, s]), int(end[b, s])))
+                assert start[b, s] % SPLIT_GRANULE == 0
+        assert covered == list(range(length))
+        nonempty = int((end[b] > start[b]).sum())
+        assert nonempty <= max(1, -(-length // MIN_CHUNK))
+
+
+def test_balanced_split_bounds_share_one_chunk_length() -> None:
+    """With total_splits every sequence is cut at one batch-wide length (unless that would need
+    more than num_splits chunks), so a long sequence no longer sets the wave's time alone."""
+    lengths = torch.tensor([8192, 1000, 300, 0, 5000, 4096], dtype=torch.int32)
+    total = int(lengths.sum())  # 18588 tokens
+    start, end = split_bounds(lengths, 16, 24)
+    chunk = math.ceil(math.ceil(total / 24) / SPLIT_GRANULE) * SPLIT_GRANULE
+    assert chunk == 832
+    for b, length in enumerate(lengths.tolist()):
+        sizes = [int(e - s) for s, e in zip(start[b], end[b]) if e > s]
+        assert all(size == chunk for size in sizes[:-1]), sizes
+        assert len(sizes) == -(-length // chunk)
+    # Even per-sequence splits of 4: the longest sequence's chunks are 2.5x the balanced ones.
+    even_start, even_end = split_bounds(lengths, 4)
+    assert int((even_end - even_start).max()) == 2048
+    # num_splits caps the chunks of one sequence: 8192 tokens in at most 4 chunks of 2048.
+    start, end = split_bounds(lengths, 4, 24)
+    assert int((end[0] - start[0]).max()) == 2048 and int((end[1] - start[1]).max()) == 832
+
+
+@pytest.mark.parametrize("length", [64, 1000, 4096, 65536])
+@pytest.mark.parametrize("chunks", [1, 2, 3, 64])
+def test_balanced_bounds_of_a_uniform_batch_are_the_even_ones(length: int, chunks: int) -> None:
+    """A uniform batch planned with headroom gets exactly the even per-sequence split."""
+    lengths = torch.full((5,), length, dtype=torch.int32)
+    even = split_bounds(lengths, chunks)
+    balanced = split_bounds(lengths, 2 * chunks, 5 * chunks)
+    for e, bal in zip(even, balanced):
+        assert torch.equal(bal[:, :chunks], e) and bool((bal[:, chunks:] >= lengths[:, None]).all())
 
 
 @requires_cuda
@@ -154,11 +203,12 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize(
     ("batch", "rows", "capacity", "expected"),
     [
-        (128, 16, 4096, 2),  # case (a): 2 resident programs x 132 SMs = 264 slots, 128 per split
-        (32, 128, 4096, 2),  # case (b): 1 resident 64-row program, 2 row blocks per sequence
-        (1, 128, 32768, 64),  # case (c): long context, capped at MAX_SPLITS
-        (1, 16, 300, 2),  # capped by capacity / MIN_CHUNK
-        (512, 128, 4096, 1),  # more programs than slots: no split
+        # case (a): 2 resident programs x 132 SMs = 264 slots, 128 sequences: 2 chunks each
+        (128, 16, 4096, (4, 256)),
+        (32, 128, 4096, (4, 64)),  # case (b): 1 resident 64-row program, 2 row blocks each
+        (1, 128, 32768, (64, 66)),  # case (c): long context, capped at MAX_SPLITS
+        (1, 16, 300, (2, 264)),  # capped by capacity / MIN_CHUNK
+        (512, 128, 4096, (2, 512)),  # more programs than slots: one chunk each on average
     ],
 )
 def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) -> None:
@@ -166,8 +216,20 @@ def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) ->
 
     monkeypatch.setattr(planner, "_multiprocessor_count", lambda index: 132)
     device = torch.device("cuda", 0)
-    assert planner.plan_num_splits(batch, rows, capacity, device) == expected
-    assert planner.plan_num_splits(batch, rows, capacity, torch.device("cpu")) == 1
+    assert planner.plan_splits(batch, rows, capacity, device) == expected
+    assert planner.plan_splits(batch, rows, capacity, torch.device("cpu")) == (1, None)
+
+
+def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
+    """A symbolic batch has no total to balance against: even splits for the assumed batch."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from mla_ops import planner
+
+    monkeypatch.setattr(planner, "_multiprocessor_count", lambda index: 132)
+    batch = ShapeEnv().create_unbacked_symint()
+    plan = planner.plan_splits(batch, 16, None, torch.device("cuda", 0))
+    assert plan == (264 // planner.SYMBOLIC_BATCH_ASSUMPTION, None)
 
 
 FP8 = torch.float8_e4m3fn

@@ -93,6 +93,7 @@ def test_good_call_works() -> None:
         ({"softmax_scale": None}, TypeError, "softmax_scale must be a float"),
         ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
         ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
+        ({"total_splits": 0}, ValueError, "total_splits must be >= 1 or None, got 0"),
         (
             {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn)},
             TypeError,

@@ -24,6 +24,7 @@ def decode_samples(device: str):
         dict(page_size=None, s_q=1, dims=(16, 16), dtype=torch.float16, num_splits=3),
         dict(page_size=3, s_q=2, dims=(16, 16), mask="bool"),
         dict(page_size=None, s_q=1, dims=(16, 16), mask="float", lengths=[3, 30]),
+        dict(page_size=16, s_q=1, dims=(16, 16), lengths=[0, 40, 7], num_splits=4, total_splits=2),
     ):
         yield make_case(21, device=device, max_len=40, **kw).op_args()
 

@@ -154,6 +154,30 @@ def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None)
     torch.testing.assert_close(out_p, ref_p, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("total_splits", [1, 6])
+@pytest.mark.parametrize("s_q", [1, 2])
+def test_balanced_partials_match_reference_impl(
+    path_kernels, monkeypatch, s_q: int, total_splits: int
+) -> None:
+    """Chunks of one batch-wide length (``total_splits``): same partials as the PyTorch
+    implementation, empty splits (zeros, -inf) written too (outputs start as NaN), and the
+    lengths summed in several blocks."""
+    from mla_ops import reference
+
+    monkeypatch.setattr(path_kernels, "LENGTHS_PER_STEP", 4)  # 9 sequences: 3 blocks
+    lengths = [0, 1000, s_q, 700, 0, 300, 1400, 64, 900]
+    case = make_case(
+        11, device=DEVICE, s_q=s_q, page_size=64, dims=(32, 16), lengths=lengths, heads=3,
+        num_splits=8, total_splits=total_splits,
+    )  # fmt: skip
+    out_p, lse_p = path_kernels.decode(*case.op_args())
+    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    ref_p, ref_lse_p = reference.decode(*case.op_args())
+    torch.testing.assert_close(lse_p, ref_lse_p, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out_p, ref_p, atol=2e-5, rtol=2e-5)
+    assert bool(torch.isinf(lse_p).any())  # some splits are empty
+
+
 def test_out_of_range_page_poisons_only_its_sequence(kernels) -> None:
     case = make_case(8, device=DEVICE, page_size=16, lengths=[40, 40, 40], s_q=1, num_splits=1)
     case.block_table[1, 1] = case.kv_c.shape[0] + 5  # a page id past the cache
