@@ -39,7 +39,7 @@ def compile_decode(
     cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
     ptx_convert: bool = False, tma: bool = False, mask: str | None = None,
-    balanced: bool = False,
+    balanced: bool = False, one_position: bool = True,
 ):  # fmt: skip
     """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
     kernel = tk._mla_decode_kernel
@@ -59,6 +59,7 @@ def compile_decode(
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128,
+        ONE_POSITION=one_position,
     )  # fmt: skip
     if not tma:
         const.update(KV_DESC=None, PE_DESC=None)
@@ -135,6 +136,9 @@ def main() -> None:
     p.add_argument("--tma", action="store_true", help="KV tiles by TMA descriptors")
     p.add_argument("--mask", choices=["bool", "bf16"], help="attn_mask dtype (default: none)")
     p.add_argument("--balanced", action="store_true", help="chunks from total_splits")
+    p.add_argument(
+        "--per-row-positions", action="store_true", help="ONE_POSITION off (as for S_q > 1)"
+    )
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     heads_for = {16: 16, 32: 32, 64: 128}
@@ -160,6 +164,7 @@ def main() -> None:
             tma=args.tma,
             mask={"bool": "i1", "bf16": "bf16", None: None}[args.mask],
             balanced=args.balanced,
+            one_position=not args.per_row_positions,
         )
         print(cfg, resources(compiled))
         if args.dump:

@@ -181,7 +181,9 @@ def _standard_table() -> dict[Callable, Callable]:
 
         def ceil_to_granule(tokens, parts: int):
             per_part = op.Div(op.Add(tokens, const_i64([parts - 1])), const_i64([parts]))
-            return op.Mul(op.Div(op.Add(per_part, const_i64([SPLIT_GRANULE - 1])), granule), granule)
+            return op.Mul(
+                op.Div(op.Add(per_part, const_i64([SPLIT_GRANULE - 1])), granule), granule
+            )
 
         per_split = ceil_to_granule(seqlen, num_splits)  # [B]
         if total_splits is not None:

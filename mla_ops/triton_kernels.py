@@ -193,6 +193,7 @@ def _mla_decode_kernel(
     KV_F16: tl.constexpr,  # float8 kv_c with a 16-bit query: nope dots and P @ V in fp16
     PTX_CONVERT: tl.constexpr,  # KV_F16 on sm_89+ CUDA: float8 tiles converted by _e4m3_to_f16
     BALANCED: tl.constexpr,  # total_splits > 0
+    ONE_POSITION: tl.constexpr,  # S_Q == 1 or H % BLOCK_M == 0: a program's rows share one s
     BLOCK_B: tl.constexpr,  # sequences summed per step when BALANCED
 ):
     pid_bm = tl.program_id(0)
@@ -263,8 +264,18 @@ def _mla_decode_kernel(
     else:
         q_pe = tl.zeros([BLOCK_M, BLOCK_R], dtype=q_nope.dtype)
 
+    if ONE_POSITION:
+        # Every row here is one query position (S_q = 1, or heads a multiple of BLOCK_M): key
+        # visibility and the mask row are one [1, BLOCK_N] vector broadcast over the heads, not a
+        # [BLOCK_M, BLOCK_N] tile of equal rows. On an H100 a float mask then costs 1.04-1.06x the
+        # unmasked call instead of 1.12-1.13x (benchmarks/NOTES.md item 22).
+        key_pos = tl.zeros([1], dtype=tl.int32) + (row_block * BLOCK_M) // H
+        pos_ok = key_pos < S_Q
+    else:
+        key_pos = s_idx  # [BLOCK_M]
+        pos_ok = row_ok
     # Causal: query i sees keys [0, seqlen - S_q + i]; otherwise all of [0, seqlen).
-    last_key = seqlen - S_Q + s_idx if CAUSAL else tl.zeros([BLOCK_M], dtype=tl.int32) + seqlen - 1
+    last_key = seqlen - S_Q + key_pos if CAUSAL else tl.zeros_like(key_pos) + seqlen - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -275,11 +286,13 @@ def _mla_decode_kernel(
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
         # Visibility from the lengths, causality and the mask, known before any cache row is read.
-        visible = tok_ok[None, :] & (offs_n[None, :] <= last_key[:, None])  # [BLOCK_M, BLOCK_N]
+        visible = tok_ok[None, :] & (
+            offs_n[None, :] <= last_key[:, None]
+        )  # [BLOCK_M or 1, BLOCK_N]
         if HAS_MASK:
             # One mask row per query position, shared by its heads (rows of one s hit the cache).
-            in_mask = row_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
-            m_ptr = MASK + b64 * stride_mb + s_idx[:, None] * stride_ms
+            in_mask = pos_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
+            m_ptr = MASK + b64 * stride_mb + key_pos[:, None] * stride_ms
             m_ptr += offs_n[None, :] * stride_mt
             if MASK_IS_BOOL:
                 visible = visible & in_mask & (tl.load(m_ptr, mask=in_mask, other=0) != 0)
@@ -702,6 +715,7 @@ def decode(
             KV_F16=kv_f16,
             PTX_CONVERT=ptx_convert,
             BALANCED=total_splits is not None,
+            ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
             BLOCK_B=LENGTHS_PER_STEP,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,

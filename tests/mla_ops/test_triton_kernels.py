@@ -133,6 +133,21 @@ def test_attention_mask(kernels, seed: int, kind: str, dtype: torch.dtype) -> No
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_mask_per_program_query_position(kernels, block_m: int, kind: str) -> None:
+    """S_q = 3 x 16 heads: 16-row programs each hold one query position (its mask row and causal
+    limit are one vector); 32-row programs straddle two positions (a row each)."""
+    case = make_case(
+        430 + block_m, device=DEVICE, s_q=3, heads=16, dims=(32, 16), mask=kind, causal=True,
+        max_len=300, page_size=16,
+    )  # fmt: skip
+    out_p, lse_p = kernels.decode(*case.op_args(), config=kernels.DecodeConfig(block_m, 32, 4, 2))
+    out, lse = kernels.combine(out_p, lse_p, case.q.dtype)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
+
+
 @pytest.mark.parametrize("page_size", [1, 3, 64, None])
 @pytest.mark.parametrize("s_q", [1, 3, 8])
 def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None) -> None:
