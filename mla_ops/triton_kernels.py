@@ -285,10 +285,9 @@ def _mla_decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         tok_ok = offs_n < end
-        # Visibility from the lengths, causality and the mask, known before any cache row is read.
-        visible = tok_ok[None, :] & (
-            offs_n[None, :] <= last_key[:, None]
-        )  # [BLOCK_M or 1, BLOCK_N]
+        # Visibility from the lengths, causality and the mask, known before any cache row is read:
+        # [BLOCK_M, BLOCK_N], or [1, BLOCK_N] when ONE_POSITION.
+        visible = tok_ok[None, :] & (offs_n[None, :] <= last_key[:, None])
         if HAS_MASK:
             # One mask row per query position, shared by its heads (rows of one s hit the cache).
             in_mask = pos_ok[:, None] & tok_ok[None, :] & (offs_n[None, :] < MASK_LEN)
@@ -455,8 +454,9 @@ def _mla_combine_kernel(
 
 # Sequence lengths one decode program sums per step for a balanced split (``total_splits``).
 # Fixed, not the batch's power of two: one compiled kernel for every batch size, and on an H100
-# a 32-wide block made ptxas spill 168 bytes in the 64-row kernel (case (b) 1.57x slower; 128 and
-# 1024 spill 22, as without the sum: benchmarks/NOTES.md item 21).
+# a 32-wide block left the 64-row kernel with 168 spilled registers instead of 22 (case (b) 1.57x
+# slower); 128- and 1024-wide blocks ran as fast as the unbalanced kernel (benchmarks/NOTES.md
+# item 21).
 LENGTHS_PER_STEP = 128
 
 # The compiled kernel of the latest launch, for diagnostics (registers, spills, PTX).
