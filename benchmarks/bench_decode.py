@@ -326,9 +326,14 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
         torch.cuda.empty_cache()
 
     # Split into decode and combine: the combine's share of the total.
+    from mla_ops import triton_kernels as tk
+
     inp = first
-    plan = plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device)
+    kv_c, k_pe = inp.decode_cache()
+    wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
+    plan = plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device, wgmma)
     o_p, l_p = torch.ops.mla.decode(*inp.op_args(*plan))
+    kernel = tk.LAST_LAUNCH["decode_path"]
     t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
@@ -337,6 +342,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
             total_splits=plan.total_splits,
             combine_us=t_comb * 1e6,
             combine_share=t_comb * 1e6 / ours.time_us,
+            kernel=kernel,  # wgmma (Gluon), tma or gather (Triton)
         )
     return rows
 

@@ -9,6 +9,7 @@ from the local Triton, which may differ from the GPU machine's (NOTES.md says wh
     python benchmarks/offline_compile.py --rows 16 --block-n 64 --warps 8 --stages 3 --dump /tmp/k
     python benchmarks/offline_compile.py --rows 16 --tma --mask bf16   # TMA loads, float mask
     python benchmarks/offline_compile.py --tma --balanced              # one chunk length per batch
+    python benchmarks/offline_compile.py --wgmma --stages 1            # the Gluon wgmma kernel
 """
 
 from __future__ import annotations
@@ -96,6 +97,46 @@ def compile_decode(
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_wgmma(
+    rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
+    causal: bool = True, balanced: bool = False,
+):  # fmt: skip
+    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) compiled for sm_90, 16 heads x 1."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_ops import wgmma_decode as wd
+
+    kernel = wd._mla_decode_wgmma_kernel
+    params = list(inspect.signature(kernel.fn).parameters)
+    gl_dtype = gl.bfloat16 if dtype == "bf16" else gl.float16
+    const = dict(
+        S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=64, MIN_CHUNK=MIN_CHUNK,
+        GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
+        CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
+        num_warps=4, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
+    )  # fmt: skip
+    signature = {}
+    for name in params:
+        if name in const:
+            signature[name] = "constexpr"
+        elif name in ("KV_DESC", "PE_DESC"):
+            width = kv_len if name == "KV_DESC" else max(rope_len, 16)
+            layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], gl_dtype)
+            signature[name] = f"tensordesc<{dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
+        elif name == "Q":
+            signature[name] = f"*{dtype}"
+        elif name in ("SEQLENS", "BLOCK_TABLE"):
+            signature[name] = "*i32"
+        elif name in ("O_PART", "LSE_PART"):
+            signature[name] = "*fp32"
+        else:
+            signature[name] = "fp32" if name == "scale_log2" else "i32"
+    constexprs = {(params.index(k),): v for k, v in const.items()}
+    source = GluonASTSource(kernel, signature, constexprs, {})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+
+
 def resources(compiled) -> dict:
     """Registers, local memory (spills) and shared memory, read from the cubin by cuobjdump."""
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
@@ -139,8 +180,17 @@ def main() -> None:
     p.add_argument(
         "--per-row-positions", action="store_true", help="ONE_POSITION off (as for S_q > 1)"
     )
+    p.add_argument("--wgmma", action="store_true", help="the Gluon wgmma kernel (16 rows)")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
+    if args.wgmma:
+        compiled = compile_wgmma(stages=args.stages or 2, dtype=args.dtype, balanced=args.balanced)
+        print(f"triton {triton.__version__}, target sm_90, wgmma kernel: {resources(compiled)}")
+        if args.dump:
+            Path(args.dump).mkdir(parents=True, exist_ok=True)
+            for ext in ("ttgir", "ptx"):
+                (Path(args.dump) / f"wgmma.{ext}").write_text(compiled.asm[ext])
+        return
     heads_for = {16: 16, 32: 32, 64: 128}
     rows = [args.rows] if args.rows else [16, 64]
     print(f"triton {triton.__version__}, target sm_90")

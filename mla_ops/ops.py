@@ -501,6 +501,13 @@ def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, to
     )
 
 
+def _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask) -> bool:
+    """Whether the CUDA decode will run the Gluon wgmma kernel (shapes and dtypes only)."""
+    from . import triton_kernels
+
+    return triton_kernels.wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)[0]
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -567,7 +574,8 @@ def mla_decode(
     )
     if num_splits is None:
         capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device)
+        wgmma = q.device.type == "cuda" and _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask)
+        plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
         num_splits = plan.num_splits
         total_splits = plan.total_splits if total_splits is None else total_splits
     out_partial, lse_partial = torch.ops.mla.decode(

@@ -85,12 +85,16 @@ def rows_per_program(query_rows: int) -> int:
     return max(16, min(MAX_ROWS_PER_PROGRAM, 1 << max(0, (query_rows - 1).bit_length())))
 
 
-def programs_per_sm(query_rows: int) -> int:
+def programs_per_sm(query_rows: int, wgmma: bool = False) -> int:
     """Decode programs resident on one multiprocessor at once with the default tiling (L=512).
 
-    Measured with ncu on an H200 (benchmarks/NOTES.md): 16-row programs use 243 registers per
-    thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x 8 warps (1 fits).
+    Triton kernel, measured with ncu on an H200 (benchmarks/NOTES.md): 16-row programs use 243
+    registers per thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x
+    8 warps (1 fits). The Gluon wgmma kernel (``wgmma=True``) holds two 64-token KV tiles in
+    flight, 164 KB of shared memory: 1 fits (NOTES.md item 23).
     """
+    if wgmma:
+        return 1
     return 2 if rows_per_program(query_rows) <= 16 else 1
 
 
@@ -106,6 +110,7 @@ def plan_splits(
     query_rows: int,
     capacity: int | torch.SymInt | None,
     device: torch.device,
+    wgmma: bool = False,
 ) -> SplitPlan:
     """Choose ``num_splits`` and ``total_splits`` for ``mla_decode`` without reading tensor values.
 
@@ -114,8 +119,9 @@ def plan_splits(
     The chunks of one wave of resident programs are spread over the batch's tokens
     (``total_splits``), and one sequence may take up to ``RAGGED_HEADROOM`` times its even share
     (``num_splits``). A uniform batch gets exactly the even per-sequence split; a symbolic batch
-    gets even per-sequence splits (no ``total_splits``). Returns ``(1, None)`` off CUDA (the
-    reference gains nothing from splitting).
+    gets even per-sequence splits (no ``total_splits``). ``wgmma``: the call runs the Gluon wgmma
+    kernel (``triton_kernels.wgmma_plan_path``), which keeps one program per multiprocessor.
+    Returns ``(1, None)`` off CUDA (the reference gains nothing from splitting).
     """
     if device.type != "cuda":
         return SplitPlan(1, None)
@@ -136,7 +142,7 @@ def plan_splits(
     programs_per_split = batch_size * math.ceil(query_rows / rows_per_program(query_rows))
     # As many chunks as fill one wave of resident programs, and no more: a partial second wave
     # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
-    even = max(1, sms * programs_per_sm(query_rows) // programs_per_split)
+    even = max(1, sms * programs_per_sm(query_rows, wgmma) // programs_per_split)
     limit = MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
@@ -146,11 +152,12 @@ def plan_splits(
         plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)
     if not tracing:
         log.debug(
-            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d -> %s",
+            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d wgmma=%s -> %s",
             batch_size,
             query_rows,
             capacity,
             sms,
+            wgmma,
             plan,
         )
     return plan

@@ -486,6 +486,7 @@ class DecodeConfig:
     use_tma: bool | None = None  # None: whenever tma_path() allows it
     fp8_in_f16: bool = True  # float8 kv_c, 16-bit query: nope dots and P @ V in fp16
     fp8_ptx_convert: bool = True  # ... converted by inline PTX where it compiles (sm_89+ CUDA)
+    use_wgmma: bool | None = None  # None: the Gluon wgmma kernel whenever wgmma_path() allows it
 
 
 def has_copy_engine(device: torch.device) -> bool:
@@ -529,6 +530,77 @@ def tma_path(
         if (t.stride(1) * t.element_size()) % 16 or t.data_ptr() % 16:
             return False, f"{name} rows or base are not 16-byte aligned"
     return True, "paged, page-aligned tiles, 16-byte aligned rows"
+
+
+def has_wgmma(device: torch.device) -> bool:
+    """Warpgroup MMA (``wgmma``): CUDA compute capability 9.0 exactly (Hopper; Blackwell has
+    other tensor-core instructions), compiled kernels, and Triton's Gluon frontend importable."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        from . import wgmma_decode  # noqa: F401
+    except ImportError:  # a Triton without Gluon's Hopper module
+        return False
+    return True
+
+
+# Query rows (heads x S_q) the wgmma kernel takes: one program of 16 rows (the wgmma's N) per
+# sequence. Wider programs are not measured yet; they stay on the Triton kernel.
+WGMMA_MAX_ROWS = 16
+
+
+def wgmma_plan_path(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+) -> tuple[bool, str]:
+    """Whether ``mla::decode`` runs the Gluon wgmma kernel (``wgmma_decode``) and, if not, why,
+    from shapes, dtypes and the device only (so the planner can ask under tracing too)."""
+    if not has_wgmma(q.device):
+        return False, "needs Hopper (compute capability 9.0), compiled kernels and Triton's Gluon"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"q is {q.dtype}, the wgmma kernel takes bf16/fp16"
+    if kv_c.dtype != q.dtype or (k_pe.shape[-1] and k_pe.dtype != q.dtype):
+        return False, f"cache dtypes ({kv_c.dtype}, {k_pe.dtype}) differ from q's ({q.dtype})"
+    if attn_mask is not None:
+        return False, "an attn_mask is given"
+    if q.shape[1] * q.shape[2] > WGMMA_MAX_ROWS:
+        return False, f"{q.shape[1] * q.shape[2]} query rows per sequence > {WGMMA_MAX_ROWS}"
+    if block_table is None:
+        return False, "cache is not paged"
+    from .wgmma_decode import BLOCK_N
+
+    if kv_c.shape[1] % BLOCK_N:
+        return False, f"page_size {kv_c.shape[1]} is not a multiple of the {BLOCK_N}-token tile"
+    for name, width in (("kv_c", kv_c.shape[-1]), ("k_pe", k_pe.shape[-1])):
+        if width and (width & (width - 1) or not 16 <= width <= 1024):
+            return False, f"{name} width {width} is not a power of two in [16, 1024]"
+    if kv_c.shape[-1] < 64:
+        return False, f"kv_c width {kv_c.shape[-1]} < 64"
+    return True, "Hopper, bf16/fp16, paged in 64-token tiles, <= 16 query rows, no mask"
+
+
+def wgmma_path(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+) -> tuple[bool, str]:
+    """``wgmma_plan_path`` plus what only real tensors show: the copy engine's layout rules."""
+    ok, why = wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)
+    if not ok:
+        return ok, why
+    from .wgmma_decode import BLOCK_N
+
+    tma, why = tma_path(kv_c, k_pe, block_table, BLOCK_N)
+    return tma, why if not tma else "Hopper, bf16/fp16, TMA tiles, <= 16 query rows, no mask"
 
 
 def _descriptor(t: torch.Tensor, block_n: int):
@@ -631,6 +703,24 @@ def decode(
         float8 = kv_c.dtype == torch.float8_e4m3fn
         config = default_config(rows, kv_len, rope_len, q.element_size(), smem, float8)
     cfg = config
+    use_wgmma, why = (False, "turned off (DecodeConfig.use_wgmma=False)")
+    if cfg.use_wgmma is not False:
+        use_wgmma, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
+        if cfg.use_wgmma and not use_wgmma:
+            raise ValueError(f"DecodeConfig.use_wgmma=True, but the wgmma kernel cannot run: {why}")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("mla::decode: %s kernel (%s)", "Gluon wgmma" if use_wgmma else "Triton", why)
+    if use_wgmma:
+        from . import wgmma_decode
+
+        LAST_LAUNCH["decode_path"] = "wgmma"
+        with torch.cuda.device(q.device):
+            LAST_LAUNCH["decode"] = wgmma_decode.launch(
+                q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, causal,
+                num_splits, total_splits, block_m=WGMMA_MAX_ROWS, num_warps=4, num_stages=2,
+                min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
+            )  # fmt: skip
+        return out, lse
     block_l = _next_pow2(kv_len)
     block_r = _next_pow2(max(rope_len, 1))
     paged = block_table is not None

@@ -220,6 +220,23 @@ def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) ->
     assert planner.plan_splits(batch, rows, capacity, torch.device("cpu")) == (1, None)
 
 
+@pytest.mark.parametrize(
+    ("batch", "capacity", "expected"),
+    [
+        (128, 4096, (2, 128)),  # case (a): 132 slots, one chunk per sequence (uniform)
+        (4, 65536, (64, 132)),  # case (d): 33 chunks each, headroom capped at MAX_SPLITS
+        (64, 8192, (4, 128)),  # case (e): 2 chunks each on average
+    ],
+)
+def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected) -> None:
+    """The Gluon wgmma kernel keeps one program per multiprocessor: half the Triton kernel's."""
+    from mla_ops import planner
+
+    monkeypatch.setattr(planner, "_multiprocessor_count", lambda index: 132)
+    device = torch.device("cuda", 0)
+    assert planner.plan_splits(batch, 16, capacity, device, wgmma=True) == expected
+
+
 def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
     """A symbolic batch has no total to balance against: even splits for the assumed batch."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

@@ -1,0 +1,372 @@
+"""Hopper decode kernel written in Gluon: warpgroup MMA (``wgmma``) with the KV tile as operand A.
+
+Same contract as ``triton_kernels._mla_decode_kernel`` (partials ``[B, S_q, H, splits, L]`` in
+float32 and their lse, the same split bounds, NaN rows for tokens at an invalid cache location), for
+the common serving layout only: a paged bf16/fp16 cache whose pages hold whole 64-token tiles, no
+attention mask. ``wgmma_path`` says whether a call qualifies and, if not, why.
+
+Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
+so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
+loop is then latency-bound at 8 warps per SM (benchmarks/NOTES.md items 5, 12, 17). Gluon states
+the MMA and the shared-memory operands explicitly, so here the roles are swapped:
+
+* scores ``S^T [BLOCK_N tokens, BLOCK_M rows] = K [BLOCK_N, L+R] @ Q^T`` and
+  ``O^T [L, BLOCK_M] += V^T [L, BLOCK_N] @ P^T``: the cache tile is the M=64 operand, read by the
+  tensor cores straight from the shared memory the copy engine (TMA) wrote it to; the query
+  (``Q^T``) and ``P^T`` are the small N side, also in shared memory. Nothing is padded: 16 heads
+  are an N=16 ``wgmma``.
+* per thread: ``O^T`` is ``L x BLOCK_M / 128`` float32 registers (64 for 16 rows), the scores
+  ``BLOCK_N x BLOCK_M / 128`` (8); the query lives in shared memory, not registers.
+* KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA and
+  tracked by mbarriers, so the loads run ahead of the math without any warp waiting on them.
+
+Rows past a split's end in its last tile hold stale cache memory (maybe NaN); they are zeroed in
+shared memory before the tile is used, so ``p = 0`` times them stays 0.
+
+This module imports Triton's experimental Gluon frontend; ``triton_kernels`` imports it only when a
+CUDA device qualifies.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Triton 3.6 names the bulk tensor load ``async_copy_global_to_shared``; later Gluon releases
+# renamed it ``async_load`` and made the old name raise. Same arguments (descriptor, coordinates,
+# barrier, destination).
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+# Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
+BLOCK_N = 64
+
+
+@gluon.jit
+def _store_partial_t(
+    O_PART, LSE_PART, out_t, lse, b64, s_idx, h_idx, split, offs_l, row_ok,
+    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+    stride_lb, stride_ls, stride_lh, stride_lk,
+):  # fmt: skip
+    """``out_t [L, BLOCK_M]`` (transposed) and ``lse [BLOCK_M]`` into the partials."""
+    base = O_PART + b64 * stride_ob + split * stride_ok
+    col = s_idx * stride_os + h_idx * stride_oh  # [BLOCK_M]
+    ptrs = base + offs_l[:, None] * stride_od + col[None, :]
+    gl.store(ptrs, out_t, mask=row_ok[None, :])
+    lse_base = LSE_PART + b64 * stride_lb + split * stride_lk
+    gl.store(lse_base + s_idx * stride_ls + h_idx * stride_lh, lse, mask=row_ok)
+
+
+@gluon.jit
+def _issue_tile(
+    KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot, tile_start, BLOCK_TABLE, b64,
+    stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE: gl.constexpr, HAS_PE: gl.constexpr,
+):  # fmt: skip
+    """Start the copy of the tile at ``tile_start`` into ring slot ``slot``.
+
+    The tile lies inside one page (split starts are multiples of 64, pages hold whole tiles). An
+    invalid page id is pointed past the descriptor's last row, where the copy engine reads zeros.
+    """
+    page_pos = tile_start // PAGE_SIZE
+    page = gl.load(
+        BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+        mask=page_pos < MAX_PAGES,
+        other=-1,
+    )
+    page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
+    row0 = gl.where(page_ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE
+    bar = ready.index(slot)
+    if HAS_PE:
+        mbarrier.expect(bar, KV_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
+        _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
+        _tma_load(PE_DESC, [row0, 0], bar, pe_ring.index(slot))
+    else:
+        mbarrier.expect(bar, KV_DESC.block_type.nbytes)
+        _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
+    return page_ok
+
+
+@gluon.jit
+def _mla_decode_wgmma_kernel(
+    Q,  # [B, S_q, H, L+R]
+    SEQLENS,  # [B] int32
+    BLOCK_TABLE,  # [B, max_pages] int32
+    O_PART,  # [B, S_q, H, num_splits, L] float32
+    LSE_PART,  # [B, S_q, H, num_splits] float32
+    KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
+    PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_btb, stride_btp,
+    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+    stride_lb, stride_ls, stride_lh, stride_lk,
+    NUM_PAGES,
+    MAX_PAGES,
+    scale_log2,  # softmax_scale * log2(e)
+    num_splits,
+    total_splits,  # 0: each sequence cut into num_splits even chunks (planner.split_bounds)
+    batch,
+    S_Q: gl.constexpr,
+    H: gl.constexpr,
+    L: gl.constexpr,
+    R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    MIN_CHUNK: gl.constexpr,
+    GRANULE: gl.constexpr,
+    BLOCK_M: gl.constexpr,  # query rows per program (heads x S_q flattened): the wgmma N
+    BLOCK_N: gl.constexpr,  # tokens per KV tile: the wgmma M
+    NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_PE: gl.constexpr,
+    BALANCED: gl.constexpr,
+    BLOCK_B: gl.constexpr,
+    num_warps: gl.constexpr,
+):  # fmt: skip
+    dtype: gl.constexpr = KV_DESC.dtype
+    # Scores S^T [BLOCK_N, BLOCK_M]: one warpgroup per 64 tokens, further warpgroups split the rows.
+    WG: gl.constexpr = num_warps // 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_M // WG, 16]
+    )
+    # O^T [L, BLOCK_M]: warpgroups split the L latent columns.
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+
+    pid_bm = gl.program_id(0)
+    split = gl.program_id(1)
+    num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
+    b = pid_bm // num_row_blocks
+    row_block = pid_bm % num_row_blocks
+    b64 = b.to(gl.int64)
+
+    # This split's token range (same formula as planner.split_bounds).
+    seqlen = gl.load(SEQLENS + b)
+    per_split = gl.cdiv(gl.cdiv(seqlen, num_splits), GRANULE) * GRANULE
+    if BALANCED:
+        total = gl.zeros([BLOCK_B], dtype=gl.int64, layout=len_layout)
+        for b0 in range(0, batch, BLOCK_B):
+            offs_b = b0 + gl.arange(0, BLOCK_B, layout=len_layout)
+            total += gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(gl.int64)
+        balanced = gl.cdiv(gl.cdiv(gl.sum(total, 0), total_splits), GRANULE) * GRANULE
+        per_split = gl.maximum(per_split, balanced.to(gl.int32))
+    chunk = gl.maximum(per_split, MIN_CHUNK)
+    start = split * chunk
+    end = gl.minimum(start + chunk, seqlen)
+
+    # Rows of this program, in the layouts they are used in.
+    rows_st = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+    row_ok_st = rows_st < S_Q * H
+    if start >= end:
+        # An empty split: the contract's zeros and -inf, nothing read.
+        _store_partial_t(
+            O_PART, LSE_PART, gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout),
+            gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout)),
+            b64, rows_st // H, rows_st % H, split, offs_l_st, row_ok_st, stride_ob, stride_os,
+            stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
+        )  # fmt: skip
+        return
+
+    # Shared memory: the query block (the wgmma's B operand, as Q^T views), the KV ring, P^T.
+    q_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
+    )
+    kv_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
+    if HAS_PE:
+        qpe_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype)
+        )
+        pe_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
+    else:
+        qpe_smem = q_smem
+        pe_ring = kv_ring
+    p_smem = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    )
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+
+    n_tiles = gl.cdiv(end - start, BLOCK_N)
+    # Prologue: the first NUM_STAGES tiles in flight before the query is even read.
+    for i in gl.static_range(NUM_STAGES):
+        if i < n_tiles:
+            _issue_tile(
+                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, i, start + i * BLOCK_N, BLOCK_TABLE,
+                b64, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            )  # fmt: skip
+
+    # The query block into shared memory (rows past S_q * H are zeros).
+    rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
+    row_ok_io = rows_io < S_Q * H
+    offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
+    q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
+    q_smem.store(q_nope)
+    if HAS_PE:
+        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
+        q_pe = gl.load(
+            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
+        )
+        qpe_smem.store(q_pe)
+    fence_async_shared()
+
+    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
+    rows_s = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
+        last_key = seqlen - S_Q + rows_s // H
+    else:
+        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(0, s_layout)) + seqlen - 1
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    n_bad = 0
+
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        page_pos = tile_start // PAGE_SIZE
+        page = gl.load(
+            BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+            mask=page_pos < MAX_PAGES,
+            other=-1,
+        )
+        page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
+        n_bad += (~page_ok).to(gl.int32)
+        mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
+        kv = kv_ring.index(slot)
+        if tile_start + BLOCK_N > end:
+            # The split's last tile runs past its end: zero the stale rows (maybe NaN) in place.
+            offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            tile = kv.load(io_layout)
+            kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+            fence_async_shared()
+        s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
+            s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+
+        offs_n = tile_start + offs_tile
+        visible = (offs_n < end)[:, None] & (offs_n[:, None] <= last_key[None, :])
+        s_t = gl.where(visible, s_t * scale_log2, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s_t, 0))
+        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_shift)
+        p_t = gl.exp2(s_t - m_shift[None, :])
+        l_i = l_i * alpha + gl.sum(p_t, 0)
+        m_i = m_new
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
+        o_t = o_t * alpha_o[None, :]
+        p_smem.store(p_t.to(dtype))
+        fence_async_shared()
+        o_t = warpgroup_mma(kv.permute((1, 0)), p_smem, o_t, is_async=True)
+        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
+        # The slot is free again: start the tile NUM_STAGES ahead into it.
+        if i + NUM_STAGES < n_tiles:
+            _issue_tile(
+                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot,
+                tile_start + NUM_STAGES * BLOCK_N, BLOCK_TABLE, b64, stride_btb, stride_btp,
+                NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            )  # fmt: skip
+
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(ready.index(i))
+
+    l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
+    m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
+    empty = l_st == 0.0
+    l_safe = gl.where(empty, 1.0, l_st)
+    out_t = gl.convert_layout(o_t, st_layout) / l_safe[None, :]
+    lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
+    # A token at an invalid cache location was never read: the whole split's rows are NaN.
+    out_t = gl.where(n_bad > 0, float("nan"), out_t)
+    lse = gl.where(n_bad > 0, float("nan"), lse)
+    _store_partial_t(
+        O_PART, LSE_PART, out_t, lse, b64, rows_st // H, rows_st % H, split, offs_l_st, row_ok_st,
+        stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_lk,
+    )  # fmt: skip
+
+
+def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
+    """Gluon TMA descriptor of a paged ``[num_pages, page_size, W]`` cache as ``[tokens, W]``."""
+    rows, width = t.shape[0] * t.shape[1], t.shape[2]
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_n, width], dtype)
+    return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width], layout)
+
+
+def launch(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    total_splits: int | None,
+    block_m: int,
+    num_warps: int,
+    num_stages: int,
+    min_chunk: int,
+    granule: int,
+    lengths_per_step: int,
+):
+    """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel."""
+    batch, s_q, heads, _ = q.shape
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    kv_desc = descriptor(kv_c)
+    pe_desc = descriptor(k_pe) if rope_len else kv_desc
+    grid = (batch * triton.cdiv(s_q * heads, block_m), num_splits)
+    return _mla_decode_wgmma_kernel[grid](
+        q,
+        cache_seqlens,
+        block_table,
+        out,
+        lse,
+        kv_desc,
+        pe_desc,
+        *q.stride(),
+        *block_table.stride(),
+        *out.stride(),
+        *lse.stride(),
+        kv_c.shape[0],
+        block_table.shape[1],
+        softmax_scale * 1.4426950408889634,
+        num_splits,
+        total_splits or 0,
+        batch,
+        S_Q=s_q,
+        H=heads,
+        L=kv_len,
+        R=rope_len,
+        PAGE_SIZE=kv_c.shape[1],
+        MIN_CHUNK=min_chunk,
+        GRANULE=granule,
+        BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N,
+        NUM_STAGES=num_stages,
+        CAUSAL=causal,
+        HAS_PE=rope_len > 0,
+        BALANCED=total_splits is not None,
+        BLOCK_B=lengths_per_step,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,193 @@
+"""The Gluon wgmma decode kernel (``mla_ops/wgmma_decode.py``).
+
+It has no interpreter mode, so its results are checked on a Hopper GPU only (against the float64
+reference, output and LSE, empty sequences, S_q > 1, odd heads, balanced splits, a bad page id).
+On every machine: when ``mla::decode`` takes it and why not (``wgmma_plan_path``), and that it
+compiles to wgmma and TMA instructions for sm_90 with the installed Triton (its wheel carries
+ptxas), without spilling.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import HAS_CUDA, triton_available
+from tests.mla_ops.cases import assert_matches, make_case
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _gluon_available() -> bool:
+    try:
+        from mla_ops import wgmma_decode  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _on_hopper() -> bool:
+    if not HAS_CUDA:
+        return False
+    from mla_ops import triton_kernels
+
+    return triton_kernels.has_wgmma(torch.device("cuda", 0))
+
+
+requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (sm_90)")
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    from mla_ops import triton_kernels
+
+    def poisoned(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(triton_kernels, "new_output", poisoned)
+    return triton_kernels
+
+
+def run(kernels, case):
+    out_p, lse_p = kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
+    return kernels.combine(out_p, lse_p, case.q.dtype)
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seed", range(12))
+def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
+    """Random lengths (0, S_q, long), 1-16 query rows, splits, page sizes 64/128, widths."""
+    import random
+
+    rng = random.Random(seed)
+    s_q = rng.choice([1, 1, 2, 3])
+    heads = rng.choice([1, 3, 5, 16 // s_q])
+    case = make_case(
+        300 + seed,
+        dtype=dtype,
+        device="cuda",
+        s_q=s_q,
+        heads=heads,
+        dims=rng.choice([(512, 64), (64, 16), (128, 0), (256, 32)]),
+        page_size=rng.choice([64, 128]),
+        max_len=rng.choice([70, 700, 3000]),
+        total_splits=rng.choice([None, 3, 8]),
+    )
+    out, lse = run(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("lengths", [[0, 0], [1, 64], [65, 4097], [128, 1]])
+def test_tile_edges_and_empty(kernels, lengths: list[int]) -> None:
+    """Lengths at and around the 64-token tile; empty sequences give zeros and -inf."""
+    case = make_case(
+        17, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
+        lengths=lengths, num_splits=3,
+    )  # fmt: skip
+    out, lse = run(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+@requires_hopper
+def test_bad_page_poisons_only_its_sequence(kernels) -> None:
+    case = make_case(
+        12, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
+        lengths=[200, 200], num_splits=1,
+    )  # fmt: skip
+    case.block_table[0, 2] = case.kv_c.shape[0] + 1
+    out, lse = run(kernels, case)
+    assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
+    assert not torch.isnan(out[1]).any()
+
+
+@requires_hopper
+def test_config_can_turn_wgmma_off(kernels) -> None:
+    case = make_case(
+        5, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1
+    )
+    config = kernels.default_config(16, 512)
+    kernels.decode(*case.op_args(), config=replace(config, use_wgmma=False))
+    assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
+
+
+def _meta_call(dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64), cache=None):
+    q = torch.empty(2, s_q, heads, sum(widths), dtype=dtype, device="meta")
+    kv_c = torch.empty(10, page, widths[0], dtype=cache or dtype, device="meta")
+    k_pe = torch.empty(10, page, widths[1], dtype=dtype, device="meta")
+    table = torch.empty(2, 5, dtype=torch.int32, device="meta")
+    return q, kv_c, k_pe, table
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, None),
+        (dict(dtype=torch.float32), "takes bf16/fp16"),
+        (dict(cache=torch.float8_e4m3fn), "differ from q's"),
+        (dict(heads=32), "32 query rows per sequence > 16"),
+        (dict(heads=8, s_q=3), "24 query rows"),
+        (dict(page=1), "page_size 1 is not a multiple of the 64-token tile"),
+        (dict(widths=(512, 48)), "k_pe width 48 is not a power of two"),
+        (dict(widths=(32, 16)), "kv_c width 32 < 64"),
+    ],
+)
+def test_plan_path_says_why(monkeypatch, change, reason) -> None:
+    from mla_ops import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
+    q, kv_c, k_pe, table = _meta_call(**change)
+    ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, None)
+    assert ok == (reason is None), why
+    if reason is not None:
+        assert reason in why
+    if reason is None:
+        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, None, None)
+        assert not ok and "not paged" in why
+        mask = torch.empty(2, 1, 320, device="meta")
+        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)
+        assert not ok and "attn_mask" in why
+
+
+def test_no_wgmma_off_hopper() -> None:
+    from mla_ops import triton_kernels
+
+    assert not triton_kernels.has_wgmma(torch.device("cpu"))
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("stages", [1, 2])
+def test_compiles_to_wgmma_for_sm90(stages: int) -> None:
+    """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
+    in the PTX, no mma.sync, no local-memory spills, and shared memory that fits one SM (two
+    programs with one stage)."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+        f"k = oc.compile_wgmma(stages={stages}); print(oc.resources(k))"
+    )
+    # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = ast.literal_eval(run.stdout.strip().splitlines()[-1])  # the child's dict
+    assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
+    assert res["tma"] > 0, res
+    assert res["local_bytes"] == 0, res
+    limit = 232448 // 2 if stages == 1 else 232448
+    assert res["shared_bytes"] <= limit, res
