@@ -67,11 +67,11 @@ def _store_partial_t(
 
 
 @gluon.jit
-def _issue_tile(
-    KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot, tile_start, BLOCK_TABLE, b64,
-    stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE: gl.constexpr, HAS_PE: gl.constexpr,
+def _tile_row(
+    BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+    PAGE_SIZE: gl.constexpr,
 ):  # fmt: skip
-    """Start the copy of the tile at ``tile_start`` into ring slot ``slot``.
+    """The cache row where the tile at ``tile_start`` begins, and whether its page id is valid.
 
     The tile lies inside one page (split starts are multiples of 64, pages hold whole tiles). An
     invalid page id is pointed past the descriptor's last row, where the copy engine reads zeros.
@@ -83,7 +83,18 @@ def _issue_tile(
         other=-1,
     )
     page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
-    row0 = gl.where(page_ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE
+    return gl.where(page_ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE, page_ok
+
+
+@gluon.jit
+def _issue_tile(
+    KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot, tile_start, BLOCK_TABLE, b64,
+    stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE: gl.constexpr, HAS_PE: gl.constexpr,
+):  # fmt: skip
+    """Start the copy of the tile at ``tile_start`` into ring slot ``slot``."""
+    row0, _ = _tile_row(
+        BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
+    )
     bar = ready.index(slot)
     if HAS_PE:
         mbarrier.expect(bar, KV_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
@@ -92,7 +103,6 @@ def _issue_tile(
     else:
         mbarrier.expect(bar, KV_DESC.block_type.nbytes)
         _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
-    return page_ok
 
 
 @gluon.jit
@@ -239,13 +249,9 @@ def _mla_decode_wgmma_kernel(
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
-        page_pos = tile_start // PAGE_SIZE
-        page = gl.load(
-            BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
-            mask=page_pos < MAX_PAGES,
-            other=-1,
+        _, page_ok = _tile_row(
+            BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
         )
-        page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
         n_bad += (~page_ok).to(gl.int32)
         mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
         kv = kv_ring.index(slot)
