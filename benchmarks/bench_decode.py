@@ -281,6 +281,15 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
     return nbytes, flops
 
 
+def planned(case: Case, inp: Inputs):
+    """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run."""
+    from mla_ops import triton_kernels as tk
+
+    kv_c, k_pe = inp.decode_cache()
+    wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
+    return plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device, wgmma)
+
+
 def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     first = Inputs(case, gen, with_contiguous=peers)
@@ -329,9 +338,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     from mla_ops import triton_kernels as tk
 
     inp = first
-    kv_c, k_pe = inp.decode_cache()
-    wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
-    plan = plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device, wgmma)
+    plan = planned(case, inp)
     o_p, l_p = torch.ops.mla.decode(*inp.op_args(*plan))
     kernel = tk.LAST_LAUNCH["decode_path"]
     t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
@@ -383,7 +390,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
     copies = [first] + [Inputs(case, gen, False) for _ in range(n_copies - 1)]
     ref = reference(first, case)
     rows_q = case.heads * case.s_q
-    planned = even_splits(case, first.q.device)
+    planner_splits = even_splits(case, first)
     results = []
     for bm, bn, w, st, tma in SWEEP_CONFIGS:
         if bm > max(16, rows_q):
@@ -396,7 +403,7 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
         ):
             continue
         cfg = tk.DecodeConfig(bm, bn, w, st, tma)
-        for splits in sorted({max(1, planned // 2), planned, planned * 2}):
+        for splits in sorted({max(1, planner_splits // 2), planner_splits, planner_splits * 2}):
 
             def make(inp, cfg=cfg, splits=splits):
                 def fn():
@@ -593,9 +600,9 @@ def floor_seconds(case: Case, meta: dict) -> float:
     return max(nbytes / meta["copy_bw_Bps"], flops / meta["bf16_matmul_flops"])
 
 
-def even_splits(case: Case, device: torch.device) -> int:
+def even_splits(case: Case, inp: Inputs) -> int:
     """The planner's chunks per sequence for a uniform batch of this shape (one wave)."""
-    plan = plan_splits(case.batch, case.heads * case.s_q, None, device)
+    plan = planned(case, inp)
     return plan.total_splits // case.batch if plan.total_splits else plan.num_splits
 
 
@@ -613,14 +620,14 @@ def split_sweep(case: Case, l2_bytes: int) -> list[dict]:
     n_copies = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
     copies = [first] + [Inputs(case, gen, False) for _ in range(n_copies - 1)]
     ref = reference(first, case)
-    even = even_splits(case, first.q.device)
+    even = even_splits(case, first)
     plans = [(min(MAX_SPLITS, k * even), None) for k in (1, 2, 4)]
     plans += [
         (min(MAX_SPLITS, headroom * even), waves * case.batch * even)
         for headroom in (1, 2, 4)
         for waves in (1, 2)
     ]
-    plan = plan_splits(case.batch, case.heads * case.s_q, None, first.q.device)
+    plan = planned(case, first)
     results = []
     for num_splits, total_splits in dict.fromkeys(plans):
         start, end = split_bounds(first.lengths, num_splits, total_splits)

@@ -578,11 +578,12 @@ def wgmma_plan_path(
 
     if kv_c.shape[1] % BLOCK_N:
         return False, f"page_size {kv_c.shape[1]} is not a multiple of the {BLOCK_N}-token tile"
-    for name, width in (("kv_c", kv_c.shape[-1]), ("k_pe", k_pe.shape[-1])):
-        if width and (width & (width - 1) or not 16 <= width <= 1024):
-            return False, f"{name} width {width} is not a power of two in [16, 1024]"
-    if kv_c.shape[-1] < 64:
-        return False, f"kv_c width {kv_c.shape[-1]} < 64"
+    # Widths the kernel was checked at on the GPU (L 64..512, R 0 or 16..64); wider rows need more
+    # shared memory than two ring slots leave.
+    widths = (("kv_c", kv_c.shape[-1], 64, 512), ("k_pe", k_pe.shape[-1], 16, 64))
+    for name, width, lo, hi in widths:
+        if (width or name == "kv_c") and (width & (width - 1) or not lo <= width <= hi):
+            return False, f"{name} width {width} is not a power of two in [{lo}, {hi}]"
     return True, "Hopper, bf16/fp16, paged in 64-token tiles, <= 16 query rows, no mask"
 
 

@@ -143,7 +143,9 @@ def _meta_call(dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64),
         (dict(heads=8, s_q=3), "24 query rows"),
         (dict(page=1), "page_size 1 is not a multiple of the 64-token tile"),
         (dict(widths=(512, 48)), "k_pe width 48 is not a power of two"),
-        (dict(widths=(32, 16)), "kv_c width 32 < 64"),
+        (dict(widths=(32, 16)), "kv_c width 32 is not a power of two in [64, 512]"),
+        (dict(widths=(1024, 64)), "kv_c width 1024 is not a power of two in [64, 512]"),
+        (dict(widths=(512, 128)), "k_pe width 128 is not a power of two in [16, 64]"),
     ],
 )
 def test_plan_path_says_why(monkeypatch, change, reason) -> None:
