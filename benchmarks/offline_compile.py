@@ -99,9 +99,9 @@ def compile_decode(
 
 def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
-    causal: bool = True, balanced: bool = False,
+    causal: bool = True, balanced: bool = False, warps: int = 4,
 ):  # fmt: skip
-    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) compiled for sm_90, 16 heads x 1."""
+    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -114,7 +114,7 @@ def compile_wgmma(
         S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=64, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
-        num_warps=4, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
+        num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
     )  # fmt: skip
     signature = {}
     for name in params:
@@ -134,11 +134,15 @@ def compile_wgmma(
             signature[name] = "fp32" if name == "scale_log2" else "i32"
     constexprs = {(params.index(k),): v for k, v in const.items()}
     source = GluonASTSource(kernel, signature, constexprs, {})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps})
 
 
 def resources(compiled) -> dict:
-    """Registers, local memory (spills) and shared memory, read from the cubin by cuobjdump."""
+    """Registers, spills and shared memory, read from the cubin by cuobjdump.
+
+    Spilled registers show up as a per-thread stack frame (``STACK``; ``LOCAL`` counts only
+    local arrays), so ``spill_bytes`` is the two together.
+    """
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
@@ -148,11 +152,11 @@ def resources(compiled) -> dict:
         ).stdout
     finally:
         os.unlink(f.name)
-    match = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text, re.S)
+    match = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", text, re.S)
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
     return {
         "regs": int(match.group(1)),
-        "local_bytes": int(match.group(2)),
+        "spill_bytes": int(match.group(2)) + int(match.group(3)),
         "shared_bytes": compiled.metadata.shared,
         "async_copies": ttgir.count("async_copy_global_to_local"),
         "mma.sync": ptx.count("mma.sync"),
@@ -184,8 +188,14 @@ def main() -> None:
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     if args.wgmma:
-        compiled = compile_wgmma(stages=args.stages or 2, dtype=args.dtype, balanced=args.balanced)
-        print(f"triton {triton.__version__}, target sm_90, wgmma kernel: {resources(compiled)}")
+        rows, warps = args.rows or 16, args.warps or (4 if (args.rows or 16) <= 16 else 8)
+        compiled = compile_wgmma(
+            rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps
+        )
+        print(
+            f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps: "
+            f"{resources(compiled)}"
+        )
         if args.dump:
             Path(args.dump).mkdir(parents=True, exist_ok=True)
             for ext in ("ttgir", "ptx"):

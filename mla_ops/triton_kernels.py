@@ -548,9 +548,35 @@ def has_wgmma(device: torch.device) -> bool:
     return True
 
 
-# Query rows (heads x S_q) the wgmma kernel takes: one program of 16 rows (the wgmma's N) per
-# sequence. Wider programs are not measured yet; they stay on the Triton kernel.
-WGMMA_MAX_ROWS = 16
+def shared_memory_optin(device: torch.device) -> int:
+    """Shared memory one program may use on ``device`` (``DEFAULT_SHARED_MEMORY`` off CUDA)."""
+    if device.type != "cuda":
+        return DEFAULT_SHARED_MEMORY
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    # Not functools.cache: dynamo traces this when the planner asks under torch.compile.
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+
+
+def wgmma_tiling(query_rows: int) -> tuple[int, int]:
+    """``(block_m, num_warps)`` of the wgmma kernel for ``query_rows`` (heads x S_q) per sequence.
+
+    Rows per program as the Triton kernel (``planner.rows_per_program``: 16, 32 or 64, the wgmma's
+    N). 16-row programs are one warpgroup (O^T is 64 float32 registers per thread); 32 and 64 rows
+    take two warpgroups, which split the scores' rows and O^T's latent columns, so O^T stays at
+    64 or 128 registers per thread (offline sm_90 compile: 165 / 241 registers, no spills).
+    """
+    block_m = rows_per_program(query_rows)
+    return block_m, 4 if block_m <= 16 else 8
+
+
+def wgmma_shared_memory(block_m: int, kv_len: int, rope_len: int, num_stages: int = 2) -> int:
+    """Upper bound on the wgmma kernel's shared memory in bytes (16-bit data): the query block,
+    the KV ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. 64 rows,
+    L=512, R=64: 231424 (the offline sm_90 compile allocates 230416; an H100 allows 232448)."""
+    from .wgmma_decode import BLOCK_N
+
+    row = kv_len + rope_len
+    return 2 * (block_m * row + num_stages * BLOCK_N * row + BLOCK_N * block_m) + 2048
 
 
 def wgmma_plan_path(
@@ -570,8 +596,6 @@ def wgmma_plan_path(
         return False, f"cache dtypes ({kv_c.dtype}, {k_pe.dtype}) differ from q's ({q.dtype})"
     if attn_mask is not None:
         return False, "an attn_mask is given"
-    if q.shape[1] * q.shape[2] > WGMMA_MAX_ROWS:
-        return False, f"{q.shape[1] * q.shape[2]} query rows per sequence > {WGMMA_MAX_ROWS}"
     if block_table is None:
         return False, "cache is not paged"
     from .wgmma_decode import BLOCK_N
@@ -584,7 +608,12 @@ def wgmma_plan_path(
     for name, width, lo, hi in widths:
         if (width or name == "kv_c") and (width & (width - 1) or not lo <= width <= hi):
             return False, f"{name} width {width} is not a power of two in [{lo}, {hi}]"
-    return True, "Hopper, bf16/fp16, paged in 64-token tiles, <= 16 query rows, no mask"
+    block_m, _ = wgmma_tiling(q.shape[1] * q.shape[2])
+    need = wgmma_shared_memory(block_m, kv_c.shape[-1], k_pe.shape[-1])
+    have = shared_memory_optin(q.device)
+    if need > have:
+        return False, f"{block_m}-row programs need {need} bytes of shared memory, GPU has {have}"
+    return True, "Hopper, bf16/fp16, paged in 64-token tiles, no mask"
 
 
 def wgmma_path(
@@ -601,7 +630,7 @@ def wgmma_path(
     from .wgmma_decode import BLOCK_N
 
     tma, why = tma_path(kv_c, k_pe, block_table, BLOCK_N)
-    return tma, why if not tma else "Hopper, bf16/fp16, TMA tiles, <= 16 query rows, no mask"
+    return tma, why if not tma else "Hopper, bf16/fp16, TMA tiles, no mask"
 
 
 def _descriptor(t: torch.Tensor, block_n: int):
@@ -715,10 +744,11 @@ def decode(
         from . import wgmma_decode
 
         LAST_LAUNCH["decode_path"] = "wgmma"
+        block_m, num_warps = wgmma_tiling(rows)
         with torch.cuda.device(q.device):
             LAST_LAUNCH["decode"] = wgmma_decode.launch(
                 q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, causal,
-                num_splits, total_splits, block_m=WGMMA_MAX_ROWS, num_warps=4, num_stages=2,
+                num_splits, total_splits, block_m=block_m, num_warps=num_warps, num_stages=2,
                 min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
             )  # fmt: skip
         return out, lse

@@ -87,6 +87,18 @@ def _tile_row(
 
 
 @gluon.jit
+def _bad_tile(
+    BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+    PAGE_SIZE: gl.constexpr,
+):  # fmt: skip
+    """1 if the tile at ``tile_start`` lies on an invalid page id (its copy read zeros), else 0."""
+    _, page_ok = _tile_row(
+        BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
+    )
+    return (~page_ok).to(gl.int32)
+
+
+@gluon.jit
 def _issue_tile(
     KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot, tile_start, BLOCK_TABLE, b64,
     stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE: gl.constexpr, HAS_PE: gl.constexpr,
@@ -103,6 +115,48 @@ def _issue_tile(
     else:
         mbarrier.expect(bar, KV_DESC.block_type.nbytes)
         _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
+
+
+@gluon.jit
+def _tile_scores(
+    kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
+):  # fmt: skip
+    """Wait for the tile at ring position ``pos`` and issue its scores ``S^T = K Q^T`` (async).
+
+    The split's last tile may run past ``end`` into stale rows (maybe NaN): they are zeroed in
+    shared memory first, so ``p = 0`` times them stays 0.
+    """
+    BLOCK_N: gl.constexpr = s_zero.shape[0]
+    slot = pos % NUM_STAGES
+    mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)
+    kv = kv_ring.index(slot)
+    if tile_start + BLOCK_N > end:
+        offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        tile = kv.load(io_layout)
+        kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+        fence_async_shared()
+    s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if HAS_PE:
+        s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
+    return s_t
+
+
+@gluon.jit
+def _online_softmax(s_t, m_i, l_i, offs_n, end, last_key, scale_log2):
+    """One tile's step of the online softmax in the exp2 domain, on transposed scores.
+
+    s_t: ``[BLOCK_N, BLOCK_M]`` raw scores of the tokens at ``offs_n``; returns ``P^T``, the new
+    running max and sum, and ``alpha``, the factor that rescales the output accumulated so far.
+    """
+    visible = (offs_n < end)[:, None] & (offs_n[:, None] <= last_key[None, :])
+    s_t = gl.where(visible, s_t * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s_t, 0))
+    # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_shift)
+    p_t = gl.exp2(s_t - m_shift[None, :])
+    return p_t, m_new, l_i * alpha + gl.sum(p_t, 0), alpha
 
 
 @gluon.jit
@@ -154,8 +208,12 @@ def _mla_decode_wgmma_kernel(
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
-    pid_bm = gl.program_id(0)
-    split = gl.program_id(1)
+    # Splits vary fastest in the launch order: the planner's headroom splits that turn out empty
+    # (all of them in a uniform batch) exit between real programs instead of queueing behind the
+    # first wave (case (d) 0.77 -> 0.81 on an H100; NOTES.md item 24).
+    pid = gl.program_id(0)
+    split = pid % num_splits
+    pid_bm = pid // num_splits
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
     b = pid_bm // num_row_blocks
     row_block = pid_bm % num_row_blocks
@@ -244,43 +302,29 @@ def _mla_decode_wgmma_kernel(
     o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    n_bad = 0
 
+    # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
+    # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
+    # waits for tile i+1's copy. NOTES.md item 24.)
+    n_bad = 0
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
-        _, page_ok = _tile_row(
+        n_bad += _bad_tile(
             BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
         )
-        n_bad += (~page_ok).to(gl.int32)
-        mbarrier.wait(ready.index(slot), (i // NUM_STAGES) & 1)
-        kv = kv_ring.index(slot)
-        if tile_start + BLOCK_N > end:
-            # The split's last tile runs past its end: zero the stale rows (maybe NaN) in place.
-            offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-            tile = kv.load(io_layout)
-            kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
-            fence_async_shared()
-        s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if HAS_PE:
-            s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
+        s_t = _tile_scores(
+            kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
+            HAS_PE, io_layout,
+        )  # fmt: skip
         s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-
-        offs_n = tile_start + offs_tile
-        visible = (offs_n < end)[:, None] & (offs_n[:, None] <= last_key[None, :])
-        s_t = gl.where(visible, s_t * scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_t, 0))
-        # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_shift)
-        p_t = gl.exp2(s_t - m_shift[None, :])
-        l_i = l_i * alpha + gl.sum(p_t, 0)
-        m_i = m_new
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))
-        o_t = o_t * alpha_o[None, :]
+        p_t, m_i, l_i, alpha = _online_softmax(
+            s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
+        )
+        o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         p_smem.store(p_t.to(dtype))
         fence_async_shared()
-        o_t = warpgroup_mma(kv.permute((1, 0)), p_smem, o_t, is_async=True)
+        o_t = warpgroup_mma(kv_ring.index(slot).permute((1, 0)), p_smem, o_t, is_async=True)
         o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
         # The slot is free again: start the tile NUM_STAGES ahead into it.
         if i + NUM_STAGES < n_tiles:
@@ -341,7 +385,7 @@ def launch(
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     kv_desc = descriptor(kv_c)
     pe_desc = descriptor(k_pe) if rope_len else kv_desc
-    grid = (batch * triton.cdiv(s_q * heads, block_m), num_splits)
+    grid = (batch * triton.cdiv(s_q * heads, block_m) * num_splits,)
     return _mla_decode_wgmma_kernel[grid](
         q,
         cache_seqlens,

@@ -89,13 +89,26 @@ PROBLEMS = [
     (5, 16, 1, 64, [5000, 10, 1, 0, 777], 8, 10, False),
     (2, 16, 1, 64, [900, 300], 2, None, True),
     (1, 3, 5, 256, [2000], 1, None, False),
+    # 32- and 64-row programs (two warpgroups): DeepSeek's 128 heads, S_q = 2, partial blocks.
+    (2, 128, 1, 64, [1000, 65], 2, None, False),
+    (3, 128, 2, 64, [700, 3, 0], 3, 8, False),
+    (3, 21, 3, 128, [300, 0, 129], 2, None, False),
+    (2, 32, 1, 64, [2000, 64], 4, None, False),
+    (2, 128, 1, 64, [900, 300], 2, None, True),
 ]
 
 
-def correctness(configs) -> list[dict]:
+def configs_for(query_rows: int) -> list[dict]:
+    """The kernel's own tiling (``wgmma_tiling``) with two ring slots (the fewest its pipeline
+    takes; three do not fit in shared memory at 64 rows)."""
+    block_m, warps = tk.wgmma_tiling(query_rows)
+    return [dict(block_m=block_m, num_warps=warps, num_stages=2)]
+
+
+def correctness() -> list[dict]:
     rows = []
-    for cfg in configs:
-        for seed, p in enumerate(PROBLEMS):
+    for seed, p in enumerate(PROBLEMS):
+        for cfg in configs_for(p[1] * p[2]):
             rows.append(check(seed, *p, **cfg))
     return rows
 
@@ -173,6 +186,9 @@ SPLITS = {
     "d": [(33, None), (66, None)],
     "e": [(2, 64), (4, 128), (8, 256)],
     "g": [(2, None)],
+    "b": [(1, None), (2, None), (4, 64)],
+    "c": [(33, None), (66, None), (132, 66)],
+    "f": [(1, None), (2, 64)],
 }
 
 
@@ -185,10 +201,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
-    configs = [dict(block_m=16, num_warps=4, num_stages=n) for n in (2, 1)]
     report = {"device": props.name, "torch": torch.__version__, "triton": bd.triton.__version__}
     if not args.skip_check:
-        rows = correctness(configs)
+        rows = correctness()
         report["check"] = rows
         bad = [r for r in rows if not r["ok"]]
         print(f"correctness: {len(rows) - len(bad)}/{len(rows)} ok", flush=True)
@@ -203,6 +218,7 @@ def main() -> None:
         meta = dict(ceil)
         floor = bd.floor_seconds(case, meta)
         splits = SPLITS[name]
+        configs = configs_for(case.s_q * case.heads)
         rows = timing(case, props.L2_cache_size, configs, splits)
         for r in rows:
             r["roofline_fraction"] = floor / (r["us"] * 1e-6)

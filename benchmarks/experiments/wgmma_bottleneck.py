@@ -1,0 +1,151 @@
+"""Where the wgmma decode kernel's time goes: the kernel with parts of its loop taken out.
+
+Variants are built from ``mla_ops/wgmma_decode.py``'s own source by text substitution (so they
+stay in step with the kernel) and timed on the issue-3 cases:
+
+* ``full``: the kernel as shipped;
+* ``no_load``: tiles 0 and 1 are copied once and reused (no copy waits): tensor cores, softmax
+  and shared memory only;
+* ``no_softmax``: ``P^T`` is the raw scores (no max, exp2, sums, rescale);
+* ``no_mma``: neither wgmma runs (the scores are zeros): the copy ring, softmax and ``P^T`` stores;
+* ``load_only``: ``no_mma`` and ``no_softmax``: the copy ring alone.
+
+Results are garbage except for ``full``; only the times matter. Per-tile time is the kernel time
+over the tiles one program walks (every program walks the same number here).
+
+    python benchmarks/experiments/wgmma_bottleneck.py --cases a,b --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench_decode as bd
+
+from mla_ops import triton_kernels as tk
+from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE = (ROOT / "mla_ops/wgmma_decode.py").read_text()
+
+NO_LOAD = [
+    ("(ready.index(slot), (i // NUM_STAGES) & 1)", "(ready.index(slot), 0)"),
+    ("        if i + NUM_STAGES < n_tiles:\n", "        if i < 0:\n"),
+]
+NO_SOFTMAX = [
+    ("p_t, m_i, l_i, alpha = _online_softmax(", "p_t, m_i, l_i, alpha = _raw_scores("),
+    (
+        "@gluon.jit\ndef _online_softmax(",
+        "@gluon.jit\ndef _raw_scores(s_t, m_i, l_i, offs_n, end, last_key, scale_log2):\n"
+        "    return s_t, m_i, l_i, gl.full_like(m_i, 1.0)\n\n\n@gluon.jit\ndef _online_softmax(",
+    ),
+]
+NO_MMA = [
+    (
+        "    s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, "
+        "is_async=True)\n    if HAS_PE:\n        s_t = warpgroup_mma(pe_ring.index(slot), "
+        "qpe_smem.permute((1, 0)), s_t, is_async=True)",
+        "    s_t = s_zero",
+    ),
+    ("s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))", "s_t = s_t"),
+    (
+        "o_t = warpgroup_mma(kv_ring.index(slot).permute((1, 0)), p_smem, o_t, is_async=True)",
+        "o_t = o_t",
+    ),
+    ("o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))", "o_t = o_t"),
+]
+VARIANTS = {
+    "full": [],
+    "no_load": NO_LOAD,
+    "no_softmax": NO_SOFTMAX,
+    "no_mma": NO_MMA,
+    "load_only": NO_MMA + NO_SOFTMAX,
+}
+
+
+def build(name: str, folder: Path):
+    src = SOURCE
+    for old, new in VARIANTS[name]:
+        assert src.count(old) == 1, (name, old)
+        src = src.replace(old, new)
+    path = folder / f"wgmma_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"wgmma_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="a,b")
+    ap.add_argument("--splits", default="a:1,b:2,f:1,d:33")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    splits = dict(kv.split(":") for kv in args.splits.split(","))
+    folder = Path(tempfile.mkdtemp())
+    modules = {name: build(name, folder) for name in VARIANTS}
+    ceil = bd.ceilings()
+    props = torch.cuda.get_device_properties(0)
+    report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__}
+    report["ceilings"] = ceil
+    rows = []
+    for case_name in args.cases.split(","):
+        case = bd.CASES[case_name]
+        inp = bd.Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
+        kv_c, k_pe = inp.decode_cache()
+        ns = int(splits[case_name])
+        b, s_q, h, _ = inp.q.shape
+        block_m, warps = tk.wgmma_tiling(s_q * h)
+        out = torch.empty((b, s_q, h, ns, 512), device="cuda")
+        lse = torch.empty((b, s_q, h, ns), device="cuda")
+        programs = b * triton.cdiv(s_q * h, block_m) * ns
+        tiles = triton.cdiv(triton.cdiv(case.context, ns), 64)
+        floor = bd.floor_seconds(case, dict(ceil))
+        for name, module in modules.items():
+            launch_args = (inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse)
+            kwargs = dict(
+                block_m=block_m, num_warps=warps, num_stages=2, min_chunk=MIN_CHUNK,
+                granule=SPLIT_GRANULE, lengths_per_step=128,
+            )  # fmt: skip
+
+            def fn(module=module, launch_args=launch_args, kwargs=kwargs, ns=ns):
+                module.launch(*launch_args, bd.SCALE, True, ns, None, **kwargs)
+
+            fn()
+            torch.cuda.synchronize()
+            us = triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+            row = dict(
+                case=case_name, variant=name, num_splits=ns, programs=programs,
+                tiles_per_program=tiles, us=us, us_per_tile=us / tiles,
+                roofline_fraction=floor / (us * 1e-6),
+            )  # fmt: skip
+            rows.append(row)
+            print(row, flush=True)
+        torch.cuda.empty_cache()
+    report["rows"] = rows
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "wgmma_bottleneck.json").write_text(json.dumps(report, indent=1))
+    print(f"\n{props.name}; {ceil}")
+    head = ("case", "variant", "programs", "tiles", "us", "us/tile", "roofline")
+    print("{:4} {:10} {:>8} {:>5} {:>8} {:>8} {:>8}".format(*head))
+    for r in rows:
+        print(
+            f"{r['case']:4} {r['variant']:10} {r['programs']:8} {r['tiles_per_program']:5} "
+            f"{r['us']:8.1f} {r['us_per_tile']:8.2f} {r['roofline_fraction']:8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
