@@ -190,8 +190,8 @@ def test_no_wgmma_off_hopper() -> None:
 @pytest.mark.parametrize(("rows", "stages"), [(16, 2), (64, 2)])
 def test_compiles_to_wgmma_for_sm90(rows: int, stages: int) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
-    in the PTX, no mma.sync, no more than a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound
-    and one SM."""
+    in the PTX, no mma.sync, at most a few spilled scalars, and shared memory within
+    ``wgmma_shared_memory``'s bound and one SM."""
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
