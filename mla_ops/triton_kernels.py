@@ -23,7 +23,6 @@ This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -696,11 +695,6 @@ def default_config(
     return cfg
 
 
-@functools.cache
-def _shared_memory_per_program(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).shared_memory_per_block_optin
-
-
 def decode(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -727,10 +721,8 @@ def decode(
 
     rows = s_q * heads
     if config is None:
-        smem = (
-            _shared_memory_per_program(q.device.index or 0) if q.is_cuda else DEFAULT_SHARED_MEMORY
-        )
         float8 = kv_c.dtype == torch.float8_e4m3fn
+        smem = shared_memory_optin(q.device)
         config = default_config(rows, kv_len, rope_len, q.element_size(), smem, float8)
     cfg = config
     use_wgmma, why = (False, "turned off (DecodeConfig.use_wgmma=False)")

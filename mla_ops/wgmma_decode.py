@@ -210,7 +210,7 @@ def _mla_decode_wgmma_kernel(
 
     # Splits vary fastest in the launch order: the planner's headroom splits that turn out empty
     # (all of them in a uniform batch) exit between real programs instead of queueing behind the
-    # first wave (case (d) 0.79 -> 0.81 on an H100; NOTES.md item 24).
+    # first wave (NOTES.md item 24: no gain beyond the machine-to-machine spread, no loss).
     pid = gl.program_id(0)
     split = pid % num_splits
     pid_bm = pid // num_splits
