@@ -99,9 +99,10 @@ def compile_decode(
 
 def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
-    causal: bool = True, balanced: bool = False, warps: int = 4,
+    causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
 ):  # fmt: skip
-    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1."""
+    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
+    ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -114,6 +115,7 @@ def compile_wgmma(
         S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=64, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
+        KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.CONVERT_CHUNK),
         num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
     )  # fmt: skip
     signature = {}
@@ -122,8 +124,10 @@ def compile_wgmma(
             signature[name] = "constexpr"
         elif name in ("KV_DESC", "PE_DESC"):
             width = kv_len if name == "KV_DESC" else max(rope_len, 16)
-            layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], gl_dtype)
-            signature[name] = f"tensordesc<{dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
+            name_dtype = kv_dtype if name == "KV_DESC" and kv_dtype else dtype
+            el = gl.float8e4nv if name_dtype == "fp8e4nv" else gl_dtype
+            layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], el)
+            signature[name] = f"tensordesc<{name_dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
         elif name == "Q":
             signature[name] = f"*{dtype}"
         elif name in ("SEQLENS", "BLOCK_TABLE"):
@@ -131,7 +135,7 @@ def compile_wgmma(
         elif name in ("O_PART", "LSE_PART"):
             signature[name] = "*fp32"
         else:
-            signature[name] = "fp32" if name == "scale_log2" else "i32"
+            signature[name] = "fp32" if name in ("scale_log2", "kv_scale") else "i32"
     constexprs = {(params.index(k),): v for k, v in const.items()}
     source = GluonASTSource(kernel, signature, constexprs, {})
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps})
@@ -190,10 +194,12 @@ def main() -> None:
     if args.wgmma:
         rows, warps = args.rows or 16, args.warps or (4 if (args.rows or 16) <= 16 else 8)
         compiled = compile_wgmma(
-            rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps
-        )
+            rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps,
+            kv_dtype=args.kv_dtype,
+        )  # fmt: skip
         print(
-            f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps: "
+            f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
+            f"kv {args.kv_dtype or args.dtype}: "
             f"{resources(compiled)}"
         )
         if args.dump:

@@ -568,14 +568,27 @@ def wgmma_tiling(query_rows: int) -> tuple[int, int]:
     return block_m, 4 if block_m <= 16 else 8
 
 
-def wgmma_shared_memory(block_m: int, kv_len: int, rope_len: int, num_stages: int = 2) -> int:
-    """Upper bound on the wgmma kernel's shared memory in bytes (16-bit data): the query block,
-    the KV ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. 64 rows,
-    L=512, R=64: 231424 (the offline sm_90 compile allocates 230416; an H100 allows 232448)."""
+def wgmma_shared_memory(
+    block_m: int, kv_len: int, rope_len: int, num_stages: int = 2, float8: bool = False
+) -> int:
+    """Upper bound on the wgmma kernel's shared memory in bytes: the 16-bit query block, the KV
+    ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. ``float8``: kv_c
+    in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into. 64 rows,
+    L=512, R=64, 16-bit: 231424 (the offline sm_90 compile allocates 230416; an H100 allows
+    232448)."""
     from .wgmma_decode import BLOCK_N
 
-    row = kv_len + rope_len
-    return 2 * (block_m * row + num_stages * BLOCK_N * row + BLOCK_N * block_m) + 2048
+    ring_row = kv_len * (1 if float8 else 2) + 2 * rope_len
+    staging = 2 * BLOCK_N * kv_len if float8 else 0
+    query = 2 * block_m * (kv_len + rope_len)
+    return query + num_stages * BLOCK_N * ring_row + staging + 2 * BLOCK_N * block_m + 2048
+
+
+def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_memory: int) -> int:
+    """Ring slots of the wgmma kernel: three where they fit in ``shared_memory`` (a float8 cache
+    at 16 or 32 rows), else two (the fewest its pipeline takes)."""
+    fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory
+    return 3 if fits else 2
 
 
 def wgmma_plan_path(
@@ -591,8 +604,12 @@ def wgmma_plan_path(
         return False, "needs Hopper (compute capability 9.0), compiled kernels and Triton's Gluon"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q is {q.dtype}, the wgmma kernel takes bf16/fp16"
-    if kv_c.dtype != q.dtype or (k_pe.shape[-1] and k_pe.dtype != q.dtype):
-        return False, f"cache dtypes ({kv_c.dtype}, {k_pe.dtype}) differ from q's ({q.dtype})"
+    float8 = kv_c.dtype == torch.float8_e4m3fn
+    if (kv_c.dtype != q.dtype and not float8) or (k_pe.shape[-1] and k_pe.dtype != q.dtype):
+        return False, (
+            f"cache dtypes ({kv_c.dtype}, {k_pe.dtype}) are neither q's ({q.dtype}) nor a "
+            "float8_e4m3fn kv_c with k_pe in q's dtype"
+        )
     if attn_mask is not None:
         return False, "an attn_mask is given"
     if block_table is None:
@@ -608,11 +625,12 @@ def wgmma_plan_path(
         if (width or name == "kv_c") and (width & (width - 1) or not lo <= width <= hi):
             return False, f"{name} width {width} is not a power of two in [{lo}, {hi}]"
     block_m, _ = wgmma_tiling(q.shape[1] * q.shape[2])
-    need = wgmma_shared_memory(block_m, kv_c.shape[-1], k_pe.shape[-1])
+    need = wgmma_shared_memory(block_m, kv_c.shape[-1], k_pe.shape[-1], 2, float8)
     have = shared_memory_optin(q.device)
     if need > have:
         return False, f"{block_m}-row programs need {need} bytes of shared memory, GPU has {have}"
-    return True, "Hopper, bf16/fp16, paged in 64-token tiles, no mask"
+    what = "float8 kv_c" if float8 else "bf16/fp16"
+    return True, f"Hopper, {what}, paged in 64-token tiles, no mask"
 
 
 def wgmma_path(
@@ -628,8 +646,8 @@ def wgmma_path(
         return ok, why
     from .wgmma_decode import BLOCK_N
 
-    tma, why = tma_path(kv_c, k_pe, block_table, BLOCK_N)
-    return tma, why if not tma else "Hopper, bf16/fp16, TMA tiles, no mask"
+    tma, why_not = tma_path(kv_c, k_pe, block_table, BLOCK_N)
+    return tma, why if tma else why_not
 
 
 def _descriptor(t: torch.Tensor, block_n: int):
@@ -737,11 +755,14 @@ def decode(
 
         LAST_LAUNCH["decode_path"] = "wgmma"
         block_m, num_warps = wgmma_tiling(rows)
+        float8 = kv_c.dtype == torch.float8_e4m3fn
+        stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
         with torch.cuda.device(q.device):
             LAST_LAUNCH["decode"] = wgmma_decode.launch(
-                q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, causal,
-                num_splits, total_splits, block_m=block_m, num_warps=num_warps, num_stages=2,
-                min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
+                q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
+                kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
+                num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
+                granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
             )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)

@@ -2,8 +2,9 @@
 
 Same contract as ``triton_kernels._mla_decode_kernel`` (partials ``[B, S_q, H, splits, L]`` in
 float32 and their lse, the same split bounds, NaN rows for tokens at an invalid cache location), for
-the common serving layout only: a paged bf16/fp16 cache whose pages hold whole 64-token tiles, no
-attention mask. ``wgmma_path`` says whether a call qualifies and, if not, why.
+the common serving layout only: a paged cache whose pages hold whole 64-token tiles, no attention
+mask, with ``kv_c`` in q's dtype (bf16/fp16) or in float8 e4m3 with a per-tensor scale (``k_pe`` in
+q's dtype). ``wgmma_path`` says whether a call qualifies and, if not, why.
 
 Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
 so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
@@ -22,6 +23,13 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
 
 Rows past a split's end in its last tile hold stale cache memory (maybe NaN); they are zeroed in
 shared memory before the tile is used, so ``p = 0`` times them stays 0.
+
+A float8 ``kv_c`` tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
+of fp16) into one shared-memory staging tile that both products read. wgmma's own float8 form
+needs both operands K-major, which ``V^T`` in ``O^T = V^T P^T`` is not. The query's nope part is
+stored as fp16 with the scale folded in and moved into fp16's range by a power of two (as the
+Triton kernel does); ``k_pe`` stays in q's dtype. The ring slot is free as soon as it has been
+converted and its scores issued, so it is refilled a whole P.V earlier than a 16-bit slot.
 
 This module imports Triton's experimental Gluon frontend; ``triton_kernels`` imports it only when a
 CUDA device qualifies.
@@ -118,27 +126,62 @@ def _issue_tile(
 
 
 @gluon.jit
-def _tile_scores(
-    kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end,
-    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
+def _convert_tile(
+    src, dst, tile_start, end, BLOCK_N: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
+    layout: gl.constexpr,
 ):  # fmt: skip
-    """Wait for the tile at ring position ``pos`` and issue its scores ``S^T = K Q^T`` (async).
+    """float8 tile ``src [BLOCK_N, L]`` -> fp16 ``dst`` (exact), ``CHUNK`` columns at a time (the
+    registers of one chunk, not the whole tile); rows at or past ``end`` become 0."""
+    rows = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    keep = (rows < end)[:, None]
+    for c in gl.static_range(0, L, CHUNK):
+        x = src.slice(c, CHUNK, dim=1).load(layout).to(gl.float16)
+        dst.slice(c, CHUNK, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _tile_scores(
+    kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, L: gl.constexpr,
+    CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
+):  # fmt: skip
+    """Wait for the tile at ring position ``pos``; its scores ``S^T = K Q^T`` (complete).
 
     The split's last tile may run past ``end`` into stale rows (maybe NaN): they are zeroed in
-    shared memory first, so ``p = 0`` times them stays 0.
+    shared memory first, so ``p = 0`` times them stays 0. A float8 tile is converted into
+    ``stage`` (zeroing those rows on the way) and the scores read it there; its nope scores
+    take ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
+    part's, so the fp16 query needs no rounding.
     """
     BLOCK_N: gl.constexpr = s_zero.shape[0]
     slot = pos % NUM_STAGES
     mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)
-    kv = kv_ring.index(slot)
-    if tile_start + BLOCK_N > end:
-        offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        tile = kv.load(io_layout)
-        kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+    q_t = q_smem.permute((1, 0))
+    if KV_FP8:
+        _convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, conv_layout)
         fence_async_shared()
-    s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if HAS_PE:
-        s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
+        s_t = warpgroup_mma(stage, q_t, s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
+            s_pe = warpgroup_mma(
+                pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False,
+                is_async=True,
+            )  # fmt: skip
+            s_t, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, s_pe))
+            s_t = s_t * nope_scale + s_pe
+        else:
+            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+            s_t = s_t * nope_scale
+    else:
+        kv = kv_ring.index(slot)
+        if tile_start + BLOCK_N > end:
+            offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+            tile = kv.load(io_layout)
+            kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+            fence_async_shared()
+        s_t = warpgroup_mma(kv, q_t, s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
+            s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
+        s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
     return s_t
 
 
@@ -175,6 +218,7 @@ def _mla_decode_wgmma_kernel(
     NUM_PAGES,
     MAX_PAGES,
     scale_log2,  # softmax_scale * log2(e)
+    kv_scale,  # dequantisation scale of a float8 kv_c (1.0 otherwise)
     num_splits,
     total_splits,  # 0: each sequence cut into num_splits even chunks (planner.split_bounds)
     batch,
@@ -192,9 +236,16 @@ def _mla_decode_wgmma_kernel(
     HAS_PE: gl.constexpr,
     BALANCED: gl.constexpr,
     BLOCK_B: gl.constexpr,
+    KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
+    CHUNK: gl.constexpr,  # columns converted at a time (KV_FP8)
     num_warps: gl.constexpr,
 ):  # fmt: skip
-    dtype: gl.constexpr = KV_DESC.dtype
+    q_dtype: gl.constexpr = Q.dtype.element_ty
+    # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
+    if KV_FP8:
+        dtype: gl.constexpr = gl.float16
+    else:
+        dtype: gl.constexpr = q_dtype
     # Scores S^T [BLOCK_N, BLOCK_M]: one warpgroup per 64 tokens, further warpgroups split the rows.
     WG: gl.constexpr = num_warps // 4
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -205,6 +256,8 @@ def _mla_decode_wgmma_kernel(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
     )
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
+    conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
@@ -251,12 +304,18 @@ def _mla_decode_wgmma_kernel(
     q_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
     )
-    kv_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
+    kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
+    if KV_FP8:
+        stage = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
+        )
+    else:
+        stage = kv_ring
     if HAS_PE:
         qpe_smem = gl.allocate_shared_memory(
-            dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype)
+            q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
         )
-        pe_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
+        pe_ring = gl.allocate_shared_memory(q_dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
     else:
         qpe_smem = q_smem
         pe_ring = kv_ring
@@ -282,7 +341,18 @@ def _mla_decode_wgmma_kernel(
     row_ok_io = rows_io < S_Q * H
     offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
     q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
-    q_smem.store(q_nope)
+    nope_scale = kv_scale
+    if KV_FP8:
+        # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
+        # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
+        # scores take it back with kv_scale, in float32 (_tile_scores).
+        q32 = q_nope.to(gl.float32)
+        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
+        q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
+        nope_scale = kv_scale * gl.exp2(q_shift)
+    else:
+        q_smem.store(q_nope)
     if HAS_PE:
         offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
         q_pe = gl.load(
@@ -314,20 +384,27 @@ def _mla_decode_wgmma_kernel(
             BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
         )
         s_t = _tile_scores(
-            kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
-            HAS_PE, io_layout,
+            kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
+            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, L, CHUNK, io_layout, conv_layout,
         )  # fmt: skip
-        s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
+        # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
+        if KV_FP8 and i + NUM_STAGES < n_tiles:
+            _issue_tile(
+                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot,
+                tile_start + NUM_STAGES * BLOCK_N, BLOCK_TABLE, b64, stride_btb, stride_btp,
+                NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            )  # fmt: skip
         p_t, m_i, l_i, alpha = _online_softmax(
             s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
         )
         o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         p_smem.store(p_t.to(dtype))
         fence_async_shared()
-        o_t = warpgroup_mma(kv_ring.index(slot).permute((1, 0)), p_smem, o_t, is_async=True)
+        v_tile = stage if KV_FP8 else kv_ring.index(slot)
+        o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
         o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
         # The slot is free again: start the tile NUM_STAGES ahead into it.
-        if i + NUM_STAGES < n_tiles:
+        if not KV_FP8 and i + NUM_STAGES < n_tiles:
             _issue_tile(
                 KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot,
                 tile_start + NUM_STAGES * BLOCK_N, BLOCK_TABLE, b64, stride_btb, stride_btp,
@@ -341,7 +418,8 @@ def _mla_decode_wgmma_kernel(
     m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
     empty = l_st == 0.0
     l_safe = gl.where(empty, 1.0, l_st)
-    out_t = gl.convert_layout(o_t, st_layout) / l_safe[None, :]
+    # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
+    out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
     lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
     # A token at an invalid cache location was never read: the whole split's rows are NaN.
     out_t = gl.where(n_bad > 0, float("nan"), out_t)
@@ -353,10 +431,20 @@ def _mla_decode_wgmma_kernel(
     )  # fmt: skip
 
 
+_GL_DTYPES = {
+    torch.bfloat16: gl.bfloat16,
+    torch.float16: gl.float16,
+    torch.float8_e4m3fn: gl.float8e4nv,
+}
+
+# Columns of a float8 tile converted at a time: 128 bytes, one swizzle atom's width.
+CONVERT_CHUNK = 128
+
+
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
     """Gluon TMA descriptor of a paged ``[num_pages, page_size, W]`` cache as ``[tokens, W]``."""
     rows, width = t.shape[0] * t.shape[1], t.shape[2]
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    dtype = _GL_DTYPES[t.dtype]
     layout = gl.NVMMASharedLayout.get_default_for([block_n, width], dtype)
     return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width], layout)
 
@@ -370,6 +458,7 @@ def launch(
     out: torch.Tensor,
     lse: torch.Tensor,
     softmax_scale: float,
+    kv_scale: float | None,
     causal: bool,
     num_splits: int,
     total_splits: int | None,
@@ -401,6 +490,7 @@ def launch(
         kv_c.shape[0],
         block_table.shape[1],
         softmax_scale * 1.4426950408889634,
+        1.0 if kv_scale is None else kv_scale,
         num_splits,
         total_splits or 0,
         batch,
@@ -418,5 +508,7 @@ def launch(
         HAS_PE=rope_len > 0,
         BALANCED=total_splits is not None,
         BLOCK_B=lengths_per_step,
+        KV_FP8=kv_c.dtype == torch.float8_e4m3fn,
+        CHUNK=min(kv_len, CONVERT_CHUNK),
         num_warps=num_warps,
     )

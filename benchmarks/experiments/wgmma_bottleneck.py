@@ -8,7 +8,11 @@ stay in step with the kernel) and timed on the issue-3 cases:
   and shared memory only;
 * ``no_softmax``: ``P^T`` is the raw scores (no max, exp2, sums, rescale);
 * ``no_mma``: neither wgmma runs (the scores are zeros): the copy ring, softmax and ``P^T`` stores;
-* ``load_only``: ``no_mma`` and ``no_softmax``: the copy ring alone.
+* ``load_only``: ``no_mma`` and ``no_softmax``: the copy ring alone;
+* ``no_convert`` (float8 cache): tiles are not converted to fp16 (the products read a stale
+  staging tile);
+* ``convert_only``: ``no_load``, ``no_mma`` and ``no_softmax``: a float8 tile's conversion
+  and the ``P^T`` stores alone (for a 16-bit cache: the loop's bookkeeping).
 
 Results are garbage except for ``full``; only the times matter. Per-tile time is the kernel time
 over the tiles one program walks (every program walks the same number here).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -39,8 +44,12 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = (ROOT / "mla_ops/wgmma_decode.py").read_text()
 
 NO_LOAD = [
-    ("(ready.index(slot), (i // NUM_STAGES) & 1)", "(ready.index(slot), 0)"),
-    ("        if i + NUM_STAGES < n_tiles:\n", "        if i < 0:\n"),
+    (
+        "mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)",
+        "mbarrier.wait(ready.index(slot), 0)",
+    ),
+    ("if KV_FP8 and i + NUM_STAGES < n_tiles:", "if KV_FP8 and i < 0:"),
+    ("if not KV_FP8 and i + NUM_STAGES < n_tiles:", "if not KV_FP8 and i < 0:"),
 ]
 NO_SOFTMAX = [
     ("p_t, m_i, l_i, alpha = _online_softmax(", "p_t, m_i, l_i, alpha = _raw_scores("),
@@ -50,19 +59,24 @@ NO_SOFTMAX = [
         "    return s_t, m_i, l_i, gl.full_like(m_i, 1.0)\n\n\n@gluon.jit\ndef _online_softmax(",
     ),
 ]
+# Every wgmma returns its accumulator untouched and every wait its dependencies (regex).
 NO_MMA = [
     (
-        "    s_t = warpgroup_mma(kv, q_smem.permute((1, 0)), s_zero, use_acc=False, "
-        "is_async=True)\n    if HAS_PE:\n        s_t = warpgroup_mma(pe_ring.index(slot), "
-        "qpe_smem.permute((1, 0)), s_t, is_async=True)",
-        "    s_t = s_zero",
+        "@gluon.jit\ndef _online_softmax(",
+        "@gluon.jit\ndef _fake_mma(a, b, acc, use_acc=True, is_async=True):\n    return acc\n\n\n"
+        "@gluon.jit\ndef _online_softmax(",
     ),
-    ("s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))", "s_t = s_t"),
+    (r"re:\bwarpgroup_mma\(", "_fake_mma("),
+    (r"re:warpgroup_mma_wait\(num_outstanding=0, deps=\((\w+),\)\)", r"\1"),
+    (r"re:warpgroup_mma_wait\(num_outstanding=0, deps=\((\w+), (\w+)\)\)", r"(\1, \2)"),
+]
+# A float8 tile is not converted: the scores and P.V read a stale fp16 staging tile.
+NO_CONVERT = [
     (
-        "o_t = warpgroup_mma(kv_ring.index(slot).permute((1, 0)), p_smem, o_t, is_async=True)",
-        "o_t = o_t",
-    ),
-    ("o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))", "o_t = o_t"),
+        "_convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, "
+        "conv_layout)",
+        "pass",
+    )
 ]
 VARIANTS = {
     "full": [],
@@ -70,12 +84,18 @@ VARIANTS = {
     "no_softmax": NO_SOFTMAX,
     "no_mma": NO_MMA,
     "load_only": NO_MMA + NO_SOFTMAX,
+    "no_convert": NO_CONVERT,
+    "convert_only": NO_MMA + NO_SOFTMAX + NO_LOAD,
 }
 
 
 def build(name: str, folder: Path):
     src = SOURCE
     for old, new in VARIANTS[name]:
+        if old.startswith("re:"):
+            src, n = re.subn(old[3:], new, src)
+            assert n > 0, (name, old)
+            continue
         assert src.count(old) == 1, (name, old)
         src = src.replace(old, new)
     path = folder / f"wgmma_{name}.py"
@@ -89,7 +109,7 @@ def build(name: str, folder: Path):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="a,b")
-    ap.add_argument("--splits", default="a:1,b:2,f:1,d:33")
+    ap.add_argument("--splits", default="a:1,a8:1,b:2,f:1,d:33")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     splits = dict(kv.split(":") for kv in args.splits.split(","))
@@ -107,6 +127,8 @@ def main() -> None:
         ns = int(splits[case_name])
         b, s_q, h, _ = inp.q.shape
         block_m, warps = tk.wgmma_tiling(s_q * h)
+        smem = tk.shared_memory_optin(torch.device("cuda"))
+        stages = tk.wgmma_stages(block_m, 512, 64, case.fp8, smem)
         out = torch.empty((b, s_q, h, ns, 512), device="cuda")
         lse = torch.empty((b, s_q, h, ns), device="cuda")
         programs = b * triton.cdiv(s_q * h, block_m) * ns
@@ -115,12 +137,12 @@ def main() -> None:
         for name, module in modules.items():
             launch_args = (inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse)
             kwargs = dict(
-                block_m=block_m, num_warps=warps, num_stages=2, min_chunk=MIN_CHUNK,
+                block_m=block_m, num_warps=warps, num_stages=stages, min_chunk=MIN_CHUNK,
                 granule=SPLIT_GRANULE, lengths_per_step=128,
             )  # fmt: skip
 
-            def fn(module=module, launch_args=launch_args, kwargs=kwargs, ns=ns):
-                module.launch(*launch_args, bd.SCALE, True, ns, None, **kwargs)
+            def fn(module=module, launch_args=launch_args, kwargs=kwargs, ns=ns, sc=inp.kv_scale):
+                module.launch(*launch_args, bd.SCALE, sc, True, ns, None, **kwargs)
 
             fn()
             torch.cuda.synchronize()

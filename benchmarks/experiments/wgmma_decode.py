@@ -29,12 +29,14 @@ from mla_ops import wgmma_decode as wd
 from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 
 
-def run_wgmma(q, kv_c, k_pe, seqlens, table, scale, causal, num_splits, total_splits, **cfg):
+def run_wgmma(
+    q, kv_c, k_pe, seqlens, table, scale, causal, num_splits, total_splits, kv_scale=None, **cfg
+):  # fmt: skip
     b, s_q, h, _ = q.shape
     out = torch.full((b, s_q, h, num_splits, kv_c.shape[-1]), float("nan"), device=q.device)
     lse = torch.full((b, s_q, h, num_splits), float("nan"), device=q.device)
     wd.launch(
-        q, kv_c, k_pe, seqlens, table, out, lse, scale, causal, num_splits, total_splits,
+        q, kv_c, k_pe, seqlens, table, out, lse, scale, kv_scale, causal, num_splits, total_splits,
         block_m=cfg.get("block_m", 16), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2), min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
         lengths_per_step=128,
@@ -42,7 +44,10 @@ def run_wgmma(q, kv_c, k_pe, seqlens, table, scale, causal, num_splits, total_sp
     return out, lse
 
 
-def check(seed: int, batch, heads, s_q, page, lengths, num_splits, total_splits, bad_page, **cfg):
+def check(
+    seed: int, batch, heads, s_q, page, lengths, num_splits, total_splits, bad_page, fp8=False,
+    **cfg,
+):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     dev, dt = "cuda", torch.bfloat16
     L, R = 512, 64
@@ -61,9 +66,13 @@ def check(seed: int, batch, heads, s_q, page, lengths, num_splits, total_splits,
     for b_i, n in enumerate(lengths):
         for t in range(n, pages_per_seq * page):
             cache[table[b_i, t // page].long(), t % page] = float("nan")
-    args = (q, cache[..., :L], cache[..., L:], seqlens, table, 0.1, s_q > 1, num_splits)
-    o, lse = run_wgmma(*args, total_splits, **cfg)
-    ro, rlse = reference.decode(*args, None, None, total_splits)
+    kv_c, kv_scale = cache[..., :L], None
+    if fp8:  # float8 kv_c (scale from the live rows), k_pe in bf16; NaN poison stays NaN
+        kv_scale = cache[..., :L].float().nan_to_num(0.0).abs().amax().item() / 448.0
+        kv_c = (cache[..., :L].float() / kv_scale).to(torch.float8_e4m3fn)
+    args = (q, kv_c, cache[..., L:], seqlens, table, 0.1, s_q > 1, num_splits)
+    o, lse = run_wgmma(*args, total_splits, kv_scale=kv_scale, **cfg)
+    ro, rlse = reference.decode(*args, kv_scale, None, total_splits)
     # The PyTorch implementation also leaves NaN in the other splits of a poisoned sequence (p = 0
     # times a NaN row); the combine makes the whole row NaN either way.
     ok_rows = ~torch.isnan(rlse) & ~torch.isnan(ro).any(-1)
@@ -74,7 +83,7 @@ def check(seed: int, batch, heads, s_q, page, lengths, num_splits, total_splits,
     good = same_nan and inf_same and err_o < 2e-2 and err_l < 2e-2
     return dict(
         seed=seed, batch=batch, heads=heads, s_q=s_q, page=page, lengths=lengths[:6],
-        num_splits=num_splits, total_splits=total_splits, bad_page=bad_page, err_out=err_o,
+        num_splits=num_splits, total_splits=total_splits, bad_page=bad_page, fp8=fp8, err_out=err_o,
         err_lse=err_l, nan_pattern_equal=same_nan, inf_pattern_equal=inf_same, ok=good, **cfg,
     )  # fmt: skip
 
@@ -96,13 +105,20 @@ PROBLEMS = [
     (2, 32, 1, 64, [2000, 64], 4, None, False),
     (2, 128, 1, 64, [900, 300], 2, None, True),
 ]
+# The same problems over a float8 kv_c (checked at every ring depth that fits).
+FP8_PROBLEMS = [p for i, p in enumerate(PROBLEMS) if i in (0, 2, 4, 5, 6, 9, 10)]
 
 
-def configs_for(query_rows: int) -> list[dict]:
+def configs_for(query_rows: int, fp8: bool = False, explore: bool = False) -> list[dict]:
     """The kernel's own tiling (``wgmma_tiling``) with two ring slots (the fewest its pipeline
-    takes; three do not fit in shared memory at 64 rows)."""
+    takes; three do not fit in shared memory at 64 rows) and, over a float8 cache where they
+    fit, three. ``explore``: also 8 warps at 16 rows."""
     block_m, warps = tk.wgmma_tiling(query_rows)
-    return [dict(block_m=block_m, num_warps=warps, num_stages=2)]
+    stages = [2]
+    if tk.wgmma_stages(block_m, 512, 64, fp8, tk.shared_memory_optin(torch.device("cuda"))) > 2:
+        stages.append(3)
+    warp_counts = sorted({warps, 8}) if explore else [warps]
+    return [dict(block_m=block_m, num_warps=w, num_stages=n) for n in stages for w in warp_counts]
 
 
 def correctness() -> list[dict]:
@@ -110,6 +126,9 @@ def correctness() -> list[dict]:
     for seed, p in enumerate(PROBLEMS):
         for cfg in configs_for(p[1] * p[2]):
             rows.append(check(seed, *p, **cfg))
+    for seed, p in enumerate(FP8_PROBLEMS):
+        for cfg in configs_for(p[1] * p[2], fp8=True):
+            rows.append(check(100 + seed, *p, fp8=True, **cfg))
     return rows
 
 
@@ -141,7 +160,8 @@ def timing(case: bd.Case, l2_bytes: int, configs, split_counts) -> list[dict]:
                 def fn():
                     wd.launch(
                         inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse,
-                        bd.SCALE, True, ns, ts, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
+                        bd.SCALE, inp.kv_scale, True, ns, ts, min_chunk=MIN_CHUNK,
+                        granule=SPLIT_GRANULE,
                         lengths_per_step=128, **cfg,
                     )  # fmt: skip
                     return torch.ops.mla.combine(out, lse, torch.bfloat16)[0]
@@ -183,6 +203,7 @@ def timing(case: bd.Case, l2_bytes: int, configs, split_counts) -> list[dict]:
 # planner's balanced plans for the ragged batch (e).
 SPLITS = {
     "a": [(1, None), (2, None), (4, 256)],
+    "a8": [(1, None), (2, None)],
     "d": [(33, None), (66, None)],
     "e": [(2, 64), (4, 128), (8, 256)],
     "g": [(2, None)],
@@ -197,6 +218,7 @@ def main() -> None:
     ap.add_argument("--cases", default="a,d,e")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--explore", action="store_true", help="time configs_for(explore=True)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +240,7 @@ def main() -> None:
         meta = dict(ceil)
         floor = bd.floor_seconds(case, meta)
         splits = SPLITS[name]
-        configs = configs_for(case.s_q * case.heads)
+        configs = configs_for(case.s_q * case.heads, case.fp8, args.explore)
         rows = timing(case, props.L2_cache_size, configs, splits)
         for r in rows:
             r["roofline_fraction"] = floor / (r["us"] * 1e-6)
@@ -226,12 +248,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     report["timing"] = results
     (out / "wgmma_decode.json").write_text(json.dumps(report, indent=1, default=str))
-    print(f"\n{'case':4} {'kernel':7} {'splits':>10} {'us':>8} {'roofline':>8} {'err':>8}")
+    print(f"\n{'case':4} {'kernel':14} {'splits':>10} {'us':>8} {'roofline':>8} {'err':>8}")
     for r in results:
         sp = f"{r['num_splits']}/{r['total_splits']}"
-        kernel = f"{r['kernel']}{r.get('num_stages', '')}"
+        kernel = r["kernel"]
+        if "num_stages" in r:
+            kernel += f" s{r['num_stages']}w{r['num_warps']}"
         print(
-            f"{r['case']:4} {kernel:7} {sp:>10} {r['us']:8.1f} "
+            f"{r['case']:4} {kernel:14} {sp:>10} {r['us']:8.1f} "
             f"{r['roofline_fraction']:8.3f} {r['rel_err']:8.1e}"
         )
 

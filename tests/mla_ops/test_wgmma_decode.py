@@ -1,7 +1,8 @@
 """The Gluon wgmma decode kernel (``mla_ops/wgmma_decode.py``).
 
 It has no interpreter mode, so its results are checked on a Hopper GPU only (against the float64
-reference, output and LSE, empty sequences, S_q > 1, odd heads, balanced splits, a bad page id).
+reference, output and LSE, empty sequences, S_q > 1, odd heads, balanced splits, a bad page id, a
+float8 kv_c).
 On every machine: when ``mla::decode`` takes it and why not (``wgmma_plan_path``), and that it
 compiles to wgmma and TMA instructions for sm_90 with the installed Triton (its wheel carries
 ptxas), without spilling.
@@ -90,6 +91,61 @@ def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+def _fp8_pair_case(seed: int, dtype: torch.dtype, **kw):
+    """A float8 kv_c with k_pe in q's dtype (the layout the kernel takes; FlashMLA's fp8 one)."""
+    case = make_case(seed, dtype=dtype, device="cuda", cache_dtype=FP8, pair=True, **kw)
+    if case.k_pe.dtype == FP8:
+        case.k_pe = (case.k_pe.float() * case.kv_scale).to(dtype)
+        case.kv_cache = (case.kv_c, case.k_pe)
+    return case
+
+
+FP8 = torch.float8_e4m3fn
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seed", range(8))
+def test_fp8_cache(kernels, seed: int, dtype: torch.dtype) -> None:
+    """A float8 kv_c (converted to fp16 in shared memory, scale folded into the query): exact
+    against the float64 reference of the dequantised cache, at 16-, 32- and 64-row programs (three
+    ring slots at 16 and 32 rows, two at 64), S_q > 1, empty sequences, partial last tiles."""
+    import random
+
+    rng = random.Random(seed)
+    s_q = rng.choice([1, 1, 2])
+    case = _fp8_pair_case(
+        800 + seed,
+        dtype,
+        s_q=s_q,
+        heads=rng.choice([3, 16 // s_q, 21, 128 // s_q]),
+        dims=rng.choice([(512, 64), (64, 16), (128, 0)]),
+        page_size=rng.choice([64, 128]),
+        max_len=rng.choice([70, 700, 3000]),
+        total_splits=rng.choice([None, 8]),
+    )
+    out, lse = run(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("query_max", [1e-6, 1.0, 6e4, 1e9])
+def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float) -> None:
+    """The fp16 nope query is moved into fp16's range by a power of two: a bf16 query from 1e-6
+    to 1e9 neither overflows nor rounds away."""
+    case = _fp8_pair_case(
+        850, torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=2, causal=True,
+        lengths=[130, 64, 0],
+    )  # fmt: skip
+    case.q = case.q * (query_max / case.q.abs().max().item())
+    case.softmax_scale /= query_max  # keep the scores' spread
+    out, lse = run(kernels, case)
+    ref_out, ref_lse = case.reference()
+    assert torch.isfinite(out[:2]).all()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
 @requires_hopper
 @pytest.mark.parametrize(("heads", "s_q"), [(16, 1), (128, 2)])
 @pytest.mark.parametrize("lengths", [[0, 0], [2, 64], [65, 4097], [128, 2]])
@@ -127,10 +183,12 @@ def test_config_can_turn_wgmma_off(kernels) -> None:
     assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
 
 
-def _meta_call(dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64), cache=None):
+def _meta_call(
+    dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64), cache=None, pe_cache=None
+):  # fmt: skip
     q = torch.empty(2, s_q, heads, sum(widths), dtype=dtype, device="meta")
     kv_c = torch.empty(10, page, widths[0], dtype=cache or dtype, device="meta")
-    k_pe = torch.empty(10, page, widths[1], dtype=dtype, device="meta")
+    k_pe = torch.empty(10, page, widths[1], dtype=pe_cache or dtype, device="meta")
     table = torch.empty(2, 5, dtype=torch.int32, device="meta")
     return q, kv_c, k_pe, table
 
@@ -141,7 +199,10 @@ def _meta_call(dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64),
     [
         ({}, None),
         (dict(dtype=torch.float32), "takes bf16/fp16"),
-        (dict(cache=torch.float8_e4m3fn), "differ from q's"),
+        (dict(cache=FP8), None),
+        (dict(cache=FP8, heads=128), None),
+        (dict(cache=FP8, pe_cache=FP8), "neither q's (torch.bfloat16) nor a float8_e4m3fn kv_c"),
+        (dict(cache=torch.float16), "neither q's"),
         (dict(heads=128), None),
         (dict(heads=8, s_q=3), None),
         (dict(page=1), "page_size 1 is not a multiple of the 64-token tile"),
@@ -187,17 +248,21 @@ def test_no_wgmma_off_hopper() -> None:
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
-@pytest.mark.parametrize(("rows", "stages"), [(16, 2), (64, 2)])
-def test_compiles_to_wgmma_for_sm90(rows: int, stages: int) -> None:
+@pytest.mark.parametrize(
+    ("rows", "stages", "kv_dtype"), [(16, 2, None), (64, 2, None), (16, 3, "fp8e4nv")]
+)
+def test_compiles_to_wgmma_for_sm90(rows: int, stages: int, kv_dtype: str | None) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
     in the PTX, no mma.sync, at most a few spilled scalars, and shared memory within
-    ``wgmma_shared_memory``'s bound and one SM."""
+    ``wgmma_shared_memory``'s bound and one SM. Over a float8 cache at 16 rows, the three ring
+    slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``."""
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
-        f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}); print(oc.resources(k))"
+        f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}); "
+        "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); print(r)"
     )
     # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -213,4 +278,9 @@ def test_compiles_to_wgmma_for_sm90(rows: int, stages: int) -> None:
     # O^T accumulator (256 bytes per thread at 16 rows), which must stay in registers.
     assert res["spill_bytes"] < 256, res
     assert res["shared_bytes"] <= 232448, res
-    assert res["shared_bytes"] <= triton_kernels.wgmma_shared_memory(block_m, 512, 64, stages), res
+    float8 = kv_dtype is not None
+    bound = triton_kernels.wgmma_shared_memory(block_m, 512, 64, stages, float8)
+    assert res["shared_bytes"] <= bound, res
+    assert (res["cvt_e4m3"] > 0) == float8, res
+    if float8:
+        assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
