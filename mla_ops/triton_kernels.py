@@ -483,7 +483,8 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     use_tma: bool | None = None  # None: whenever tma_path() allows it
-    fp8_in_f16: bool = True  # float8 kv_c, 16-bit query: nope dots and P @ V in fp16
+    # float8 kv_c, 16-bit query: nope dots and P @ V in fp16 (False: Triton kernel, bf16 dots)
+    fp8_in_f16: bool = True
     fp8_ptx_convert: bool = True  # ... converted by inline PTX where it compiles (sm_89+ CUDA)
     use_wgmma: bool | None = None  # None: the Gluon wgmma kernel whenever wgmma_path() allows it
 
@@ -746,6 +747,9 @@ def decode(
     use_wgmma, why = (False, "turned off (DecodeConfig.use_wgmma=False)")
     if cfg.use_wgmma is not False:
         use_wgmma, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
+        if use_wgmma and kv_c.dtype == torch.float8_e4m3fn and not cfg.fp8_in_f16:
+            # The wgmma kernel computes a float8 cache in fp16 only.
+            use_wgmma, why = False, "DecodeConfig.fp8_in_f16=False (the wgmma kernel uses fp16)"
         if cfg.use_wgmma and not use_wgmma:
             raise ValueError(f"DecodeConfig.use_wgmma=True, but the wgmma kernel cannot run: {why}")
     if log.isEnabledFor(logging.DEBUG):

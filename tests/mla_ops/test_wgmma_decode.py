@@ -183,6 +183,18 @@ def test_config_can_turn_wgmma_off(kernels) -> None:
     assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
 
 
+@requires_hopper
+def test_fp8_in_f16_off_runs_the_triton_kernel(kernels) -> None:
+    """``DecodeConfig(fp8_in_f16=False)`` asks for bf16 dots, which the wgmma kernel does not do:
+    the Triton kernel runs, and ``use_wgmma=True`` with it is an error that says why."""
+    case = _fp8_pair_case(851, torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=1)
+    config = replace(kernels.default_config(16, 512, float8_cache=True), fp8_in_f16=False)
+    kernels.decode(*case.op_args(), config=config)
+    assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
+    with pytest.raises(ValueError, match="fp8_in_f16=False"):
+        kernels.decode(*case.op_args(), config=replace(config, use_wgmma=True))
+
+
 def _meta_call(
     dtype=torch.bfloat16, heads=16, s_q=1, page=64, widths=(512, 64), cache=None, pe_cache=None
 ):  # fmt: skip
