@@ -27,9 +27,10 @@ shared memory before the tile is used, so ``p = 0`` times them stays 0.
 A float8 ``kv_c`` tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
 of fp16) into one shared-memory staging tile that both products read. wgmma's own float8 form
 needs both operands K-major, which ``V^T`` in ``O^T = V^T P^T`` is not. The query's nope part is
-stored as fp16 with the scale folded in and moved into fp16's range by a power of two (as the
-Triton kernel does); ``k_pe`` stays in q's dtype. The ring slot is free as soon as it has been
-converted and its scores issued, so it is refilled a whole P.V earlier than a 16-bit slot.
+stored as fp16, moved into fp16's range by a power of two (as the Triton kernel does); the nope
+scores get ``kv_scale`` and that power of two back in float32, in an accumulator of their own,
+and ``k_pe`` (in q's dtype) keeps its own. The ring slot is free as soon as it has been converted
+and its scores are done, so it is refilled a whole P.V earlier than a 16-bit slot.
 
 This module imports Triton's experimental Gluon frontend; ``triton_kernels`` imports it only when a
 CUDA device qualifies.

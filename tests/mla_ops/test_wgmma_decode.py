@@ -91,6 +91,9 @@ def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+FP8 = torch.float8_e4m3fn
+
+
 def _fp8_pair_case(seed: int, dtype: torch.dtype, **kw):
     """A float8 kv_c with k_pe in q's dtype (the layout the kernel takes; FlashMLA's fp8 one)."""
     case = make_case(seed, dtype=dtype, device="cuda", cache_dtype=FP8, pair=True, **kw)
@@ -98,9 +101,6 @@ def _fp8_pair_case(seed: int, dtype: torch.dtype, **kw):
         case.k_pe = (case.k_pe.float() * case.kv_scale).to(dtype)
         case.kv_cache = (case.kv_c, case.k_pe)
     return case
-
-
-FP8 = torch.float8_e4m3fn
 
 
 @requires_hopper
