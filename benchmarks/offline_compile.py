@@ -59,7 +59,7 @@ def compile_decode(
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
-        KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128,
+        KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128, FILL_EMPTY=False,
         ONE_POSITION=one_position,
     )  # fmt: skip
     if not tma:
@@ -100,9 +100,11 @@ def compile_decode(
 def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
+    page_size: int = 64, gather: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
-    ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``)."""
+    ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
+    by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -112,14 +114,22 @@ def compile_wgmma(
     params = list(inspect.signature(kernel.fn).parameters)
     gl_dtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     const = dict(
-        S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=64, MIN_CHUNK=MIN_CHUNK,
+        S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
-        KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.CONVERT_CHUNK),
+        KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.CONVERT_CHUNK), GATHER=gather,
+        FILL_EMPTY=False,
         num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
     )  # fmt: skip
-    signature = {}
-    for name in params:
+    if gather:
+        const.update(KV_DESC=None, PE_DESC=None)
+    signature, attrs = {}, {}
+    for i, name in enumerate(params):
+        # As Triton's launcher specialises them: 16-byte aligned pointers, strides divisible by 16.
+        if name in ("Q", "KV", "PE", "SEQLENS", "BLOCK_TABLE", "O_PART", "LSE_PART") or (
+            name.startswith("stride_") and name not in const
+        ):
+            attrs[(i,)] = [["tt.divisibility", 16]]
         if name in const:
             signature[name] = "constexpr"
         elif name in ("KV_DESC", "PE_DESC"):
@@ -128,8 +138,10 @@ def compile_wgmma(
             el = gl.float8e4nv if name_dtype == "fp8e4nv" else gl_dtype
             layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], el)
             signature[name] = f"tensordesc<{name_dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
-        elif name == "Q":
+        elif name in ("Q", "PE"):
             signature[name] = f"*{dtype}"
+        elif name == "KV":
+            signature[name] = f"*{kv_dtype or dtype}"
         elif name in ("SEQLENS", "BLOCK_TABLE"):
             signature[name] = "*i32"
         elif name in ("O_PART", "LSE_PART"):
@@ -137,7 +149,7 @@ def compile_wgmma(
         else:
             signature[name] = "fp32" if name in ("scale_log2", "kv_scale") else "i32"
     constexprs = {(params.index(k),): v for k, v in const.items()}
-    source = GluonASTSource(kernel, signature, constexprs, {})
+    source = GluonASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps})
 
 
@@ -166,6 +178,9 @@ def resources(compiled) -> dict:
         "mma.sync": ptx.count("mma.sync"),
         "wgmma": ptx.count("wgmma.mma_async"),
         "cp.async": ptx.count("cp.async.cg"),
+        "cp.async_16B": len(
+            re.findall(r"cp\.async\.cg\.shared\.global \[[^]]*\], \[[^]]*\], 0x10", ptx)
+        ),
         "tma": ptx.count("cp.async.bulk.tensor"),
         "ptx_lines": ptx.count("\n"),
     }
@@ -195,11 +210,11 @@ def main() -> None:
         rows, warps = args.rows or 16, args.warps or (4 if (args.rows or 16) <= 16 else 8)
         compiled = compile_wgmma(
             rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps,
-            kv_dtype=args.kv_dtype,
+            kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
-            f"kv {args.kv_dtype or args.dtype}: "
+            f"kv {args.kv_dtype or args.dtype} page size {args.page_size}: "
             f"{resources(compiled)}"
         )
         if args.dump:

@@ -3,12 +3,14 @@
 Two ops in namespace ``mla``:
 
 * ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-  kv_scale=None, attn_mask=None, total_splits=None) -> (out_partial [B, S_q, H, num_splits, L],
-  lse_partial [B, S_q, H, num_splits])``: split-KV attention of the absorbed query over the latent
-  cache (MQA, one KV head). Scores are ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale`` (plus a
-  float ``attn_mask``); the value is ``kv_c``. Empty splits give ``lse = -inf`` and ``out = 0``.
-  Where each split starts and ends: ``planner.split_bounds`` (``total_splits`` balances a ragged
-  batch).
+  kv_scale=None, attn_mask=None, total_splits=None, fill_empty=True) -> (out_partial
+  [B, S_q, H, num_splits, L], lse_partial [B, S_q, H, num_splits])``: split-KV attention of the
+  absorbed query over the latent cache (MQA, one KV head). Scores are
+  ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale`` (plus a float ``attn_mask``); the value is
+  ``kv_c``. Empty splits give ``lse = -inf`` and ``out = 0``; with ``fill_empty=False`` the CUDA
+  kernels leave an empty split's ``out`` unwritten (``mla::combine`` never reads it, and writing
+  the zeros cost up to 2 % of a step: ``mla_decode`` passes False). Where each split starts and
+  ends: ``planner.split_bounds`` (``total_splits`` balances a ragged batch).
 * ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
   -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
   e.g. a prefix and a suffix).
@@ -229,6 +231,7 @@ def decode(
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     total_splits: int | None = None,
+    fill_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decode partials. See the module docstring for shapes."""
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
@@ -250,6 +253,7 @@ def _decode_cuda(
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     total_splits: int | None = None,
+    fill_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
             attn_mask, total_splits)  # fmt: skip
@@ -261,7 +265,7 @@ def _decode_cuda(
         return reference.decode(*args)
     from . import triton_kernels
 
-    return triton_kernels.decode(*args)
+    return triton_kernels.decode(*args, fill_empty=fill_empty)
 
 
 @decode.register_fake
@@ -277,6 +281,7 @@ def _decode_fake(
     kv_scale: float | None = None,
     attn_mask: torch.Tensor | None = None,
     total_splits: int | None = None,
+    fill_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
             attn_mask, total_splits)  # fmt: skip
@@ -590,6 +595,7 @@ def mla_decode(
         None if kv_scale is None else float(kv_scale),
         attn_mask,
         total_splits,
+        False,  # fill_empty: the combine below never reads an empty split's out
     )
     out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
     return out, lse

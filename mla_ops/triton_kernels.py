@@ -194,6 +194,7 @@ def _mla_decode_kernel(
     BALANCED: tl.constexpr,  # total_splits > 0
     ONE_POSITION: tl.constexpr,  # S_Q == 1 or H % BLOCK_M == 0: a program's rows share one s
     BLOCK_B: tl.constexpr,  # sequences summed per step when BALANCED
+    FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -228,12 +229,13 @@ def _mla_decode_kernel(
 
     if start >= end:
         # An empty split (past its sequence's end): the contract's zeros and -inf, without reading
-        # the query. A balanced plan leaves up to RAGGED_HEADROOM x more splits than it fills.
+        # the query (FILL_EMPTY off: the -inf alone). A balanced plan leaves up to
+        # RAGGED_HEADROOM x more splits than it fills.
         _store_partial(
             O_PART, LSE_PART, tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32),
             tl.full([BLOCK_M], float("-inf"), tl.float32), b64, s_idx, h_idx, split, offs_l,
-            row_ok, l_ok, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
-            stride_ls, stride_lh, stride_lk,
+            row_ok, l_ok & FILL_EMPTY, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+            stride_lb, stride_ls, stride_lh, stride_lk,
         )  # fmt: skip
         return
 
@@ -615,10 +617,6 @@ def wgmma_plan_path(
         return False, "an attn_mask is given"
     if block_table is None:
         return False, "cache is not paged"
-    from .wgmma_decode import BLOCK_N
-
-    if kv_c.shape[1] % BLOCK_N:
-        return False, f"page_size {kv_c.shape[1]} is not a multiple of the {BLOCK_N}-token tile"
     # Widths the kernel was checked at on the GPU (L 64..512, R 0 or 16..64); wider rows need more
     # shared memory than two ring slots leave.
     widths = (("kv_c", kv_c.shape[-1], 64, 512), ("k_pe", k_pe.shape[-1], 16, 64))
@@ -631,7 +629,42 @@ def wgmma_plan_path(
     if need > have:
         return False, f"{block_m}-row programs need {need} bytes of shared memory, GPU has {have}"
     what = "float8 kv_c" if float8 else "bf16/fp16"
-    return True, f"Hopper, {what}, paged in 64-token tiles, no mask"
+    return True, f"Hopper, {what}, paged, no mask"
+
+
+def gather_path(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor | None
+) -> tuple[bool, str]:
+    """Whether the wgmma kernel can gather a paged cache row by row with 16-byte ``cp.async``
+    copies (any page size) and, if not, why: contiguous rows, page and token strides of whole
+    16-byte units, a 16-byte aligned base."""
+    if block_table is None:
+        return False, "cache is not paged"
+    for name, t in (("kv_c", kv_c), ("k_pe", k_pe)):
+        if t.shape[-1] == 0:
+            continue
+        unit = 16 // t.element_size()
+        if t.stride(2) != 1 or t.stride(0) % unit or t.stride(1) % unit:
+            return False, f"{name} rows are not contiguous 16-byte units (strides {t.stride()})"
+        if t.data_ptr() % 16:
+            return False, f"{name} base is not 16-byte aligned"
+    return True, "rows gathered by cp.async"
+
+
+def wgmma_loads(
+    kv_c: torch.Tensor, k_pe: torch.Tensor, block_table: torch.Tensor | None
+) -> tuple[str | None, str]:
+    """How the wgmma kernel fetches KV tiles: ``"tma"`` (the copy engine, pages of whole 64-token
+    tiles), ``"gather"`` (``cp.async`` row by row, any page size), or ``None``; and why."""
+    from .wgmma_decode import BLOCK_N
+
+    tma, why_tma = tma_path(kv_c, k_pe, block_table, BLOCK_N)
+    if tma:
+        return "tma", why_tma
+    gather, why_gather = gather_path(kv_c, k_pe, block_table)
+    if gather:
+        return "gather", f"{why_gather} (no TMA: {why_tma})"
+    return None, f"no TMA ({why_tma}) and no gather ({why_gather})"
 
 
 def wgmma_path(
@@ -641,14 +674,13 @@ def wgmma_path(
     block_table: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
 ) -> tuple[bool, str]:
-    """``wgmma_plan_path`` plus what only real tensors show: the copy engine's layout rules."""
+    """``wgmma_plan_path`` plus what only real tensors show: whether the cache's layout lets the
+    kernel fetch its tiles (``wgmma_loads``)."""
     ok, why = wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)
     if not ok:
         return ok, why
-    from .wgmma_decode import BLOCK_N
-
-    tma, why_not = tma_path(kv_c, k_pe, block_table, BLOCK_N)
-    return tma, why if tma else why_not
+    loads, why_loads = wgmma_loads(kv_c, k_pe, block_table)
+    return loads is not None, f"{why}; {why_loads}"
 
 
 def _descriptor(t: torch.Tensor, block_n: int):
@@ -727,8 +759,12 @@ def decode(
     attn_mask: torch.Tensor | None = None,
     total_splits: int | None = None,
     config: DecodeConfig | None = None,
+    fill_empty: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only."""
+    """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only.
+
+    fill_empty: write an empty split's zero ``out`` (False: only its ``lse = -inf``).
+    """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
     batch, s_q, heads, _ = q.shape
@@ -758,6 +794,8 @@ def decode(
         from . import wgmma_decode
 
         LAST_LAUNCH["decode_path"] = "wgmma"
+        loads = wgmma_loads(kv_c, k_pe, block_table)[0]
+        LAST_LAUNCH["wgmma_loads"] = loads
         block_m, num_warps = wgmma_tiling(rows)
         float8 = kv_c.dtype == torch.float8_e4m3fn
         stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
@@ -767,6 +805,7 @@ def decode(
                 kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
                 num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
                 granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
+                gather=loads == "gather", fill_empty=fill_empty,
             )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)
@@ -855,6 +894,7 @@ def decode(
             BALANCED=total_splits is not None,
             ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
             BLOCK_B=LENGTHS_PER_STEP,
+            FILL_EMPTY=fill_empty,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

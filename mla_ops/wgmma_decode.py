@@ -42,6 +42,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -55,6 +56,8 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 # renamed it ``async_load`` and made the old name raise. Same arguments (descriptor, coordinates,
 # barrier, destination).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# Likewise for the per-thread asynchronous copy (``cp.async``): ``async_load`` in later releases.
+_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
@@ -64,66 +67,117 @@ BLOCK_N = 64
 def _store_partial_t(
     O_PART, LSE_PART, out_t, lse, b64, s_idx, h_idx, split, offs_l, row_ok,
     stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-    stride_lb, stride_ls, stride_lh, stride_lk,
+    stride_lb, stride_ls, stride_lh, stride_lk, WRITE_OUT: gl.constexpr = True,
 ):  # fmt: skip
-    """``out_t [L, BLOCK_M]`` (transposed) and ``lse [BLOCK_M]`` into the partials."""
-    base = O_PART + b64 * stride_ob + split * stride_ok
-    col = s_idx * stride_os + h_idx * stride_oh  # [BLOCK_M]
-    ptrs = base + offs_l[:, None] * stride_od + col[None, :]
-    gl.store(ptrs, out_t, mask=row_ok[None, :])
+    """``out_t [L, BLOCK_M]`` (transposed; unless not ``WRITE_OUT``) and ``lse [BLOCK_M]`` into
+    the partials."""
+    if WRITE_OUT:
+        base = O_PART + b64 * stride_ob + split * stride_ok
+        col = s_idx * stride_os + h_idx * stride_oh  # [BLOCK_M]
+        ptrs = base + offs_l[:, None] * stride_od + col[None, :]
+        gl.store(ptrs, out_t, mask=row_ok[None, :])
     lse_base = LSE_PART + b64 * stride_lb + split * stride_lk
     gl.store(lse_base + s_idx * stride_ls + h_idx * stride_lh, lse, mask=row_ok)
 
 
 @gluon.jit
-def _tile_row(
-    BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
-    PAGE_SIZE: gl.constexpr,
+def _locate_tile(
+    BLOCK_TABLE, b64, tile_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+    PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, GATHER: gl.constexpr, layout: gl.constexpr,
 ):  # fmt: skip
-    """The cache row where the tile at ``tile_start`` begins, and whether its page id is valid.
+    """Where the tile at ``tile_start`` lies in the cache (the page-table lookup, made a tile
+    ahead of its copy so that the lookup's latency hides behind the math), and its tokens at an
+    invalid cache location.
 
-    The tile lies inside one page (split starts are multiples of 64, pages hold whole tiles). An
-    invalid page id is pointed past the descriptor's last row, where the copy engine reads zeros.
+    Copy engine: the cache row where the tile begins (it lies inside one page: split starts are
+    multiples of 64 and pages hold whole tiles; an invalid page id points past the descriptor's
+    last row, where the copy engine reads zeros), and 1 if its page id is invalid (0 for a tile
+    at or past ``end``). Gathered: each row's page id (-1 for rows at or past ``end`` or on an
+    invalid page id, which are zero-filled rather than read) and a ``[BLOCK_N]`` vector marking
+    the rows before ``end`` on an invalid page id.
     """
-    page_pos = tile_start // PAGE_SIZE
-    page = gl.load(
-        BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
-        mask=page_pos < MAX_PAGES,
-        other=-1,
-    )
-    page_ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
-    return gl.where(page_ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE, page_ok
+    if GATHER:
+        pos = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+        page_pos = pos // PAGE_SIZE
+        live = pos < end
+        page = gl.load(
+            BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+            mask=live & (page_pos < MAX_PAGES),
+            other=-1,
+        )
+        ok = (page >= 0) & (page < NUM_PAGES)
+        where = gl.where(live & ok, page, -1)
+        bad = (live & ~ok).to(gl.int32)
+    else:
+        page_pos = tile_start // PAGE_SIZE
+        page = gl.load(
+            BLOCK_TABLE + b64 * stride_btb + page_pos * stride_btp,
+            mask=page_pos < MAX_PAGES,
+            other=-1,
+        )
+        ok = (page_pos < MAX_PAGES) & (page >= 0) & (page < NUM_PAGES)
+        where = gl.where(ok, page, NUM_PAGES) * PAGE_SIZE + tile_start % PAGE_SIZE
+        bad = ((tile_start < end) & ~ok).to(gl.int32)
+    return where, bad
 
 
 @gluon.jit
-def _bad_tile(
-    BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
-    PAGE_SIZE: gl.constexpr,
+def _gather_rows(
+    SRC, dst, page, pos, stride_p, stride_t, PAGE_SIZE: gl.constexpr, WIDTH: gl.constexpr,
+    CHUNK: gl.constexpr, layout: gl.constexpr,
 ):  # fmt: skip
-    """1 if the tile at ``tile_start`` lies on an invalid page id (its copy read zeros), else 0."""
-    _, page_ok = _tile_row(
-        BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
-    )
-    return (~page_ok).to(gl.int32)
+    """``cp.async`` of token rows ``pos`` (on pages ``page``) of ``SRC [pages, PAGE_SIZE, WIDTH]``
+    into ``dst [BLOCK_N, WIDTH]``, ``CHUNK`` columns at a time; rows with page -1 are zero-filled.
+
+    ``stride_p`` and ``stride_t`` count 16-byte units: multiplying back by the constant proves to
+    the compiler that every row starts 16 bytes aligned, so each copy moves 16 bytes.
+    """
+    VEC: gl.constexpr = 128 // SRC.dtype.element_ty.primitive_bitwidth
+    row = (page.to(gl.int64) * stride_p + (pos % PAGE_SIZE) * stride_t) * VEC
+    rows = gl.convert_layout(row, gl.SliceLayout(1, layout))
+    keep = gl.convert_layout(page >= 0, gl.SliceLayout(1, layout))[:, None]
+    for c in gl.static_range(0, WIDTH, CHUNK):
+        cols = c + gl.arange(0, CHUNK, layout=gl.SliceLayout(0, layout))
+        _cp_async(dst.slice(c, CHUNK, dim=1), SRC + rows[:, None] + cols[None, :], mask=keep)
 
 
 @gluon.jit
-def _issue_tile(
-    KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot, tile_start, BLOCK_TABLE, b64,
-    stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE: gl.constexpr, HAS_PE: gl.constexpr,
+def _copy_tile(
+    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, tile_start, where,
+    stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE: gl.constexpr,
+    HAS_PE: gl.constexpr, GATHER: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    CHUNK: gl.constexpr, kv_layout: gl.constexpr, pe_layout: gl.constexpr,
 ):  # fmt: skip
-    """Start the copy of the tile at ``tile_start`` into ring slot ``slot``."""
-    row0, _ = _tile_row(
-        BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
-    )
+    """Start filling ring slot ``slot`` with the tile at ``tile_start``, located at ``where``
+    (``_locate_tile``).
+
+    Copy engine: one TMA box per operand, from one thread, counted in bytes on the slot's
+    barrier. Gathered (pages of any size; the copy engine moves only boxes of whole pages):
+    ``cp.async`` of 16 bytes per thread and copy, from every thread, each arriving on the slot's
+    barrier once its own copies have landed.
+    """
     bar = ready.index(slot)
-    if HAS_PE:
+    if GATHER:
+        BLOCK_N: gl.constexpr = kv_ring.shape[1]
+        pos = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+        _gather_rows(
+            KV, kv_ring.index(slot), where, pos, stride_kvp, stride_kvt, PAGE_SIZE, L, CHUNK,
+            kv_layout,
+        )  # fmt: skip
+        if HAS_PE:
+            _gather_rows(
+                PE, pe_ring.index(slot), where, pos, stride_pep, stride_pet, PAGE_SIZE, R, R,
+                pe_layout,
+            )  # fmt: skip
+        # The barrier counts every thread, so the arrival does not raise the expected count.
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+    elif HAS_PE:
         mbarrier.expect(bar, KV_DESC.block_type.nbytes + PE_DESC.block_type.nbytes)
-        _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
-        _tma_load(PE_DESC, [row0, 0], bar, pe_ring.index(slot))
+        _tma_load(KV_DESC, [where, 0], bar, kv_ring.index(slot))
+        _tma_load(PE_DESC, [where, 0], bar, pe_ring.index(slot))
     else:
         mbarrier.expect(bar, KV_DESC.block_type.nbytes)
-        _tma_load(KV_DESC, [row0, 0], bar, kv_ring.index(slot))
+        _tma_load(KV_DESC, [where, 0], bar, kv_ring.index(slot))
 
 
 @gluon.jit
@@ -143,13 +197,14 @@ def _convert_tile(
 @gluon.jit
 def _tile_scores(
     kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
-    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, L: gl.constexpr,
-    CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr,
+    L: gl.constexpr, CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
 ):  # fmt: skip
     """Wait for the tile at ring position ``pos``; its scores ``S^T = K Q^T`` (complete).
 
-    The split's last tile may run past ``end`` into stale rows (maybe NaN): they are zeroed in
-    shared memory first, so ``p = 0`` times them stays 0. A float8 tile is converted into
+    The split's last tile may run past ``end`` into stale rows (maybe NaN): a copy-engine tile
+    has them zeroed in shared memory first (a gathered one was zero-filled), so ``p = 0`` times
+    them stays 0. A float8 tile is converted into
     ``stage`` (zeroing those rows on the way) and the scores read it there; its nope scores
     take ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
     part's, so the fp16 query needs no rounding.
@@ -157,6 +212,9 @@ def _tile_scores(
     BLOCK_N: gl.constexpr = s_zero.shape[0]
     slot = pos % NUM_STAGES
     mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)
+    if GATHER:
+        # cp.async wrote the tile through the generic proxy; wgmma reads through the async one.
+        fence_async_shared()
     q_t = q_smem.permute((1, 0))
     if KV_FP8:
         _convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, conv_layout)
@@ -174,7 +232,7 @@ def _tile_scores(
             s_t = s_t * nope_scale
     else:
         kv = kv_ring.index(slot)
-        if tile_start + BLOCK_N > end:
+        if not GATHER and tile_start + BLOCK_N > end:
             offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
             tile = kv.load(io_layout)
             kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
@@ -212,8 +270,11 @@ def _mla_decode_wgmma_kernel(
     LSE_PART,  # [B, S_q, H, num_splits] float32
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
+    KV,  # kv_c [num_pages, page_size, L] (GATHER)
+    PE,  # k_pe [num_pages, page_size, R] (GATHER)
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_btb, stride_btp,
+    stride_kvp, stride_kvt, stride_pep, stride_pet,  # GATHER: in 16-byte units
     stride_ob, stride_os, stride_oh, stride_ok, stride_od,
     stride_lb, stride_ls, stride_lh, stride_lk,
     NUM_PAGES,
@@ -238,7 +299,9 @@ def _mla_decode_wgmma_kernel(
     BALANCED: gl.constexpr,
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
-    CHUNK: gl.constexpr,  # columns converted at a time (KV_FP8)
+    CHUNK: gl.constexpr,  # columns converted (KV_FP8) or gathered (GATHER) at a time
+    GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
+    FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     num_warps: gl.constexpr,
 ):  # fmt: skip
     q_dtype: gl.constexpr = Q.dtype.element_ty
@@ -259,16 +322,22 @@ def _mla_decode_wgmma_kernel(
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
     conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    # Gathered kv_c rows: 16 bytes per thread and copy.
+    if KV_FP8:
+        gather_layout: gl.constexpr = conv_layout
+    else:
+        gather_layout: gl.constexpr = io_layout
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
-    # Splits vary fastest in the launch order: the planner's headroom splits that turn out empty
-    # (all of them in a uniform batch) exit between real programs instead of queueing behind the
-    # first wave (NOTES.md item 24: no gain beyond the machine-to-machine spread, no loss).
+    # Splits vary slowest in the launch order: every sequence's first chunk, then every second
+    # one, ... The real programs of a uniform batch fill the first wave and the planner's empty
+    # headroom splits run on what is left. Without the empty splits' zeros this beat splits
+    # varying fastest on the ragged (e) by 3.5 % and on (d) by 0.7 % (NOTES.md item 26).
     pid = gl.program_id(0)
-    split = pid % num_splits
-    pid_bm = pid // num_splits
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
+    split = pid // (batch * num_row_blocks)
+    pid_bm = pid % (batch * num_row_blocks)
     b = pid_bm // num_row_blocks
     row_block = pid_bm % num_row_blocks
     b64 = b.to(gl.int64)
@@ -292,12 +361,14 @@ def _mla_decode_wgmma_kernel(
     offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
     row_ok_st = rows_st < S_Q * H
     if start >= end:
-        # An empty split: the contract's zeros and -inf, nothing read.
+        # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
+        # alone; the zeros of a uniform batch's headroom splits cost 1.6 % of (a), NOTES item 26).
         _store_partial_t(
             O_PART, LSE_PART, gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout),
             gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout)),
             b64, rows_st // H, rows_st % H, split, offs_l_st, row_ok_st, stride_ob, stride_os,
             stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
+            FILL_EMPTY,
         )  # fmt: skip
         return
 
@@ -305,7 +376,13 @@ def _mla_decode_wgmma_kernel(
     q_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
     )
-    kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
+    if GATHER:
+        kv_ring = gl.allocate_shared_memory(
+            KV.dtype.element_ty, [NUM_STAGES, BLOCK_N, L],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], KV.dtype.element_ty),
+        )  # fmt: skip
+    else:
+        kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
     if KV_FP8:
         stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
@@ -316,7 +393,13 @@ def _mla_decode_wgmma_kernel(
         qpe_smem = gl.allocate_shared_memory(
             q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
         )
-        pe_ring = gl.allocate_shared_memory(q_dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
+        if GATHER:
+            pe_ring = gl.allocate_shared_memory(
+                q_dtype, [NUM_STAGES, BLOCK_N, R],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], q_dtype),
+            )  # fmt: skip
+        else:
+            pe_ring = gl.allocate_shared_memory(q_dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
     else:
         qpe_smem = q_smem
         pe_ring = kv_ring
@@ -325,15 +408,29 @@ def _mla_decode_wgmma_kernel(
     )
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        # A copy-engine fill is one expected arrival (plus its bytes); a gathered one, every
+        # thread's.
+        mbarrier.init(ready.index(i), count=num_warps * 32 if GATHER else 1)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
+    # Tokens at an invalid cache location, counted as their tiles are located: per tile row for
+    # gathered tiles (summed once at the end; a sum per tile costs a cross-warp reduction).
+    if GATHER:
+        n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
+    else:
+        n_bad = gl.to_tensor(0)
     # Prologue: the first NUM_STAGES tiles in flight before the query is even read.
     for i in gl.static_range(NUM_STAGES):
         if i < n_tiles:
-            _issue_tile(
-                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, i, start + i * BLOCK_N, BLOCK_TABLE,
-                b64, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            where, bad = _locate_tile(
+                BLOCK_TABLE, b64, start + i * BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
+                MAX_PAGES, PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+            )  # fmt: skip
+            n_bad += bad
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, i, start + i * BLOCK_N, where,
+                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
+                CHUNK, gather_layout, io_layout,
             )  # fmt: skip
 
     # The query block into shared memory (rows past S_q * H are zeros).
@@ -377,23 +474,26 @@ def _mla_decode_wgmma_kernel(
     # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
     # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
     # waits for tile i+1's copy. NOTES.md item 24.)
-    n_bad = 0
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
-        n_bad += _bad_tile(
-            BLOCK_TABLE, b64, tile_start, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, PAGE_SIZE
-        )
+        # The tile that refills this slot, located now (nothing past end counts as bad).
+        next_start = tile_start + NUM_STAGES * BLOCK_N
+        next_where, bad = _locate_tile(
+            BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+        )  # fmt: skip
+        n_bad += bad
         s_t = _tile_scores(
             kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, L, CHUNK, io_layout, conv_layout,
+            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CHUNK, io_layout, conv_layout,
         )  # fmt: skip
         # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
         if KV_FP8 and i + NUM_STAGES < n_tiles:
-            _issue_tile(
-                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot,
-                tile_start + NUM_STAGES * BLOCK_N, BLOCK_TABLE, b64, stride_btb, stride_btp,
-                NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
+                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
+                CHUNK, gather_layout, io_layout,
             )  # fmt: skip
         p_t, m_i, l_i, alpha = _online_softmax(
             s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
@@ -406,14 +506,16 @@ def _mla_decode_wgmma_kernel(
         o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
         # The slot is free again: start the tile NUM_STAGES ahead into it.
         if not KV_FP8 and i + NUM_STAGES < n_tiles:
-            _issue_tile(
-                KV_DESC, PE_DESC, kv_ring, pe_ring, ready, slot,
-                tile_start + NUM_STAGES * BLOCK_N, BLOCK_TABLE, b64, stride_btb, stride_btp,
-                NUM_PAGES, MAX_PAGES, PAGE_SIZE, HAS_PE,
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
+                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
+                CHUNK, gather_layout, io_layout,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
+    if GATHER:
+        n_bad = gl.sum(n_bad, 0)
 
     l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
     m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
@@ -438,7 +540,8 @@ _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
 }
 
-# Columns of a float8 tile converted at a time: 128 bytes, one swizzle atom's width.
+# Columns of a float8 tile converted (or of any tile gathered) at a time: 128 float8 values fill
+# one swizzle atom's width.
 CONVERT_CHUNK = 128
 
 
@@ -469,12 +572,29 @@ def launch(
     min_chunk: int,
     granule: int,
     lengths_per_step: int,
+    gather: bool = False,
+    fill_empty: bool = True,
 ):
-    """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel."""
+    """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
+
+    gather: copy KV tiles row by row with ``cp.async`` (any page size) instead of by TMA
+    (``triton_kernels.wgmma_loads`` says which a cache allows). fill_empty: an empty split writes
+    its zero ``out`` (False: only its ``lse = -inf``).
+    """
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
-    kv_desc = descriptor(kv_c)
-    pe_desc = descriptor(k_pe) if rope_len else kv_desc
+    if gather:
+        kv_desc = pe_desc = None
+    else:
+        kv_desc = descriptor(kv_c)
+        pe_desc = descriptor(k_pe) if rope_len else kv_desc
+    pe = k_pe if rope_len else kv_c
+
+    def vec_strides(t: torch.Tensor) -> tuple[int, int]:
+        # Page and token strides in 16-byte units (wgmma_loads checked that they divide).
+        unit = 16 // t.element_size()
+        return t.stride(0) // unit, t.stride(1) // unit
+
     grid = (batch * triton.cdiv(s_q * heads, block_m) * num_splits,)
     return _mla_decode_wgmma_kernel[grid](
         q,
@@ -484,8 +604,12 @@ def launch(
         lse,
         kv_desc,
         pe_desc,
+        kv_c,
+        pe,
         *q.stride(),
         *block_table.stride(),
+        *vec_strides(kv_c),
+        *vec_strides(pe),
         *out.stride(),
         *lse.stride(),
         kv_c.shape[0],
@@ -511,5 +635,7 @@ def launch(
         BLOCK_B=lengths_per_step,
         KV_FP8=kv_c.dtype == torch.float8_e4m3fn,
         CHUNK=min(kv_len, CONVERT_CHUNK),
+        GATHER=gather,
+        FILL_EMPTY=fill_empty,
         num_warps=num_warps,
     )

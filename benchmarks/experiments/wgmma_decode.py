@@ -39,7 +39,7 @@ def run_wgmma(
         q, kv_c, k_pe, seqlens, table, out, lse, scale, kv_scale, causal, num_splits, total_splits,
         block_m=cfg.get("block_m", 16), num_warps=cfg.get("num_warps", 4),
         num_stages=cfg.get("num_stages", 2), min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
-        lengths_per_step=128,
+        lengths_per_step=128, gather=kv_c.shape[1] % wd.BLOCK_N != 0,
     )  # fmt: skip
     return out, lse
 
@@ -104,9 +104,15 @@ PROBLEMS = [
     (3, 21, 3, 128, [300, 0, 129], 2, None, False),
     (2, 32, 1, 64, [2000, 64], 4, None, False),
     (2, 128, 1, 64, [900, 300], 2, None, True),
+    # Page sizes the copy engine cannot take: tiles gathered row by row (cp.async).
+    (3, 16, 1, 1, [1000, 0, 65], 2, None, False),
+    (4, 5, 1, 3, [300, 2048, 63, 129], 4, 6, False),
+    (3, 128, 2, 16, [700, 3, 0], 3, 8, False),
+    (2, 16, 1, 1, [900, 300], 2, None, True),
+    (2, 32, 1, 16, [2000, 64], 4, None, True),
 ]
 # The same problems over a float8 kv_c (checked at every ring depth that fits).
-FP8_PROBLEMS = [p for i, p in enumerate(PROBLEMS) if i in (0, 2, 4, 5, 6, 9, 10)]
+FP8_PROBLEMS = [p for i, p in enumerate(PROBLEMS) if i in (0, 2, 4, 5, 6, 9, 10, 13, 15, 16)]
 
 
 def configs_for(query_rows: int, fp8: bool = False, explore: bool = False) -> list[dict]:
@@ -161,8 +167,8 @@ def timing(case: bd.Case, l2_bytes: int, configs, split_counts) -> list[dict]:
                     wd.launch(
                         inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse,
                         bd.SCALE, inp.kv_scale, True, ns, ts, min_chunk=MIN_CHUNK,
-                        granule=SPLIT_GRANULE,
-                        lengths_per_step=128, **cfg,
+                        granule=SPLIT_GRANULE, lengths_per_step=128,
+                        gather=kv_c.shape[1] % wd.BLOCK_N != 0, **cfg,
                     )  # fmt: skip
                     return torch.ops.mla.combine(out, lse, torch.bfloat16)[0]
 
@@ -206,7 +212,7 @@ SPLITS = {
     "a8": [(1, None), (2, None)],
     "d": [(33, None), (66, None)],
     "e": [(2, 64), (4, 128), (8, 256)],
-    "g": [(2, None)],
+    "g": [(1, None), (2, None), (2, 128), (4, 256)],
     "b": [(1, None), (2, None), (4, 64)],
     "c": [(33, None), (66, None), (132, 66)],
     "f": [(1, None), (2, 64)],

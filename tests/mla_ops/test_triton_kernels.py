@@ -343,3 +343,30 @@ def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
     out, lse = run_kernels(kernels, case)
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.float32, case.describe())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, dtype: torch.dtype) -> None:
+    """``fill_empty=False`` (what ``mla_decode`` passes): an empty split keeps whatever its ``out``
+    held (NaN here, from the poisoned allocation) and still says ``lse = -inf``; every other
+    partial is bit-equal to ``fill_empty=True``'s, and the combine of either gives the same
+    output, since it never reads an empty split's ``out``. A sequence of 0 tokens included."""
+    case = make_case(
+        41, dtype=dtype, device=DEVICE, page_size=16, dims=(32, 16), lengths=[300, 0, 70],
+        s_q=2, heads=3, num_splits=4, causal=True,
+    )  # fmt: skip
+    out_fill, lse_fill = kernels.decode(*case.op_args(), fill_empty=True)
+    out_p, lse_p = kernels.decode(*case.op_args(), fill_empty=False)
+    assert torch.equal(torch.isinf(lse_p), torch.isinf(lse_fill))
+    empty = torch.isneginf(lse_fill).all(dim=(1, 2))  # [B, splits]: no row saw a key
+    assert empty.any() and (~empty).any()
+    assert torch.isnan(out_p.permute(0, 3, 1, 2, 4)[empty]).all()
+    assert (out_fill.permute(0, 3, 1, 2, 4)[empty] == 0).all()
+    full = ~empty
+    assert torch.equal(out_p.permute(0, 3, 1, 2, 4)[full], out_fill.permute(0, 3, 1, 2, 4)[full])
+    assert torch.equal(lse_p, lse_fill)
+    out, lse = kernels.combine(out_p, lse_p, dtype)
+    out_ref, lse_ref = kernels.combine(out_fill, lse_fill, dtype)
+    assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())

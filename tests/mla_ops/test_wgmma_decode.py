@@ -2,10 +2,11 @@
 
 It has no interpreter mode, so its results are checked on a Hopper GPU only (against the float64
 reference, output and LSE, empty sequences, S_q > 1, odd heads, balanced splits, a bad page id, a
-float8 kv_c).
-On every machine: when ``mla::decode`` takes it and why not (``wgmma_plan_path``), and that it
-compiles to wgmma and TMA instructions for sm_90 with the installed Triton (its wheel carries
-ptxas), without spilling.
+float8 kv_c, page sizes that the copy engine takes (64, 128) and ones gathered row by row (1, 3,
+16)).
+On every machine: when ``mla::decode`` takes it and why not (``wgmma_plan_path``), how it would
+fetch a cache's tiles (``wgmma_loads``), and that it compiles to wgmma and TMA (or cp.async)
+instructions for sm_90 with the installed Triton (its wheel carries ptxas), without spilling.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def kernels(monkeypatch):
 def run(kernels, case):
     out_p, lse_p = kernels.decode(*case.op_args())
     assert kernels.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
+    loads = "tma" if case.kv_c.shape[1] % 64 == 0 else "gather"
+    assert kernels.LAST_LAUNCH["wgmma_loads"] == loads, case.describe()
     return kernels.combine(out_p, lse_p, case.q.dtype)
 
 
@@ -69,7 +72,7 @@ def run(kernels, case):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
     """Random lengths (0, S_q, long), 1-256 query rows (16-, 32- and 64-row programs, partial
-    ones), splits, page sizes 64/128, widths."""
+    ones), splits, widths, page sizes 64/128 (copy engine) and 1/3/16 (gathered by cp.async)."""
     import random
 
     rng = random.Random(seed)
@@ -82,7 +85,7 @@ def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
         s_q=s_q,
         heads=heads,
         dims=rng.choice([(512, 64), (64, 16), (128, 0), (256, 32)]),
-        page_size=rng.choice([64, 128]),
+        page_size=rng.choice([64, 128, 1, 3, 16]),
         max_len=rng.choice([70, 700, 3000]),
         total_splits=rng.choice([None, 3, 8]),
     )
@@ -120,7 +123,7 @@ def test_fp8_cache(kernels, seed: int, dtype: torch.dtype) -> None:
         s_q=s_q,
         heads=rng.choice([3, 16 // s_q, 21, 128 // s_q]),
         dims=rng.choice([(512, 64), (64, 16), (128, 0)]),
-        page_size=rng.choice([64, 128]),
+        page_size=rng.choice([64, 128, 1, 16]),
         max_len=rng.choice([70, 700, 3000]),
         total_splits=rng.choice([None, 8]),
     )
@@ -162,15 +165,45 @@ def test_tile_edges_and_empty(kernels, lengths: list[int], heads: int, s_q: int)
 
 
 @requires_hopper
-def test_bad_page_poisons_only_its_sequence(kernels) -> None:
+@pytest.mark.parametrize("page_size", [64, 1, 16])
+def test_bad_page_poisons_only_its_sequence(kernels, page_size: int) -> None:
+    """A page id past the cache: its sequence's rows are NaN (nothing read out of bounds), the
+    other sequence is untouched; copy-engine and gathered tiles alike (``make_case`` also puts
+    junk ids past each sequence's pages, which must not be read)."""
     case = make_case(
-        12, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
-        lengths=[200, 200], num_splits=1,
+        12, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=16,
+        s_q=1, lengths=[200, 200], num_splits=1,
     )  # fmt: skip
-    case.block_table[0, 2] = case.kv_c.shape[0] + 1
+    ref_out, ref_lse = case.reference()
+    case.block_table[0, 130 // page_size] = case.kv_c.shape[0] + 1
     out, lse = run(kernels, case)
     assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     assert not torch.isnan(out[1]).any()
+    assert_matches(out[1:], lse[1:], ref_out[1:], ref_lse[1:], torch.bfloat16, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("page_size", [64, 1])
+def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, page_size: int) -> None:
+    """``fill_empty=False`` (what ``mla_decode`` passes): an empty split's ``out`` keeps the
+    poisoned allocation's NaN, its ``lse`` is ``-inf``, every other partial is bit-equal to
+    ``fill_empty=True``'s and so is the combined output."""
+    case = make_case(
+        43, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
+        heads=16, s_q=1, lengths=[1000, 0, 300], num_splits=4, total_splits=4,
+    )  # fmt: skip
+    out_fill, lse_fill = kernels.decode(*case.op_args(), fill_empty=True)
+    out_p, lse_p = kernels.decode(*case.op_args(), fill_empty=False)
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    assert torch.equal(lse_p, lse_fill)
+    empty = torch.isneginf(lse_fill).all(dim=(1, 2))  # [B, splits]
+    assert empty.any() and (~empty).any()
+    by_split_p, by_split_fill = out_p.permute(0, 3, 1, 2, 4), out_fill.permute(0, 3, 1, 2, 4)
+    assert torch.isnan(by_split_p[empty]).all() and (by_split_fill[empty] == 0).all()
+    assert torch.equal(by_split_p[~empty], by_split_fill[~empty])
+    out, lse = kernels.combine(out_p, lse_p, torch.bfloat16)
+    out_ref, lse_ref = kernels.combine(out_fill, lse_fill, torch.bfloat16)
+    assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
 
 
 @requires_hopper
@@ -217,7 +250,8 @@ def _meta_call(
         (dict(cache=torch.float16), "neither q's"),
         (dict(heads=128), None),
         (dict(heads=8, s_q=3), None),
-        (dict(page=1), "page_size 1 is not a multiple of the 64-token tile"),
+        (dict(page=1), None),
+        (dict(page=3, cache=FP8, heads=128), None),
         (dict(widths=(512, 48)), "k_pe width 48 is not a power of two"),
         (dict(widths=(32, 16)), "kv_c width 32 is not a power of two in [64, 512]"),
         (dict(widths=(1024, 64)), "kv_c width 1024 is not a power of two in [64, 512]"),
@@ -253,6 +287,28 @@ def test_plan_path_checks_shared_memory(monkeypatch) -> None:
     assert triton_kernels.wgmma_plan_path(*_meta_call(heads=16), None)[0]
 
 
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+def test_loads_say_how_and_why(monkeypatch) -> None:
+    """Pages of whole 64-token tiles go to the copy engine; other page sizes are gathered by
+    cp.async when their rows are contiguous 16-byte units; otherwise neither, with the reasons."""
+    from mla_ops import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+
+    def loads(page: int, row: int = 576, dtype=torch.bfloat16):
+        cache = torch.zeros(8, page, row, dtype=dtype)
+        return triton_kernels.wgmma_loads(cache[..., :512], cache[..., 512:576], table)
+
+    assert loads(64)[0] == "tma"
+    assert loads(1)[0] == "gather" and "page_size 1 is not a multiple" in loads(1)[1]
+    assert loads(48, row=584)[0] == "gather"  # 1168-byte rows: 16-byte units
+    how, why = loads(16, row=580)  # 1160-byte rows
+    assert how is None and "kv_c rows are not contiguous 16-byte units" in why, why
+    assert loads(3, dtype=torch.float8_e4m3fn)[0] == "gather"
+    assert triton_kernels.wgmma_loads(*[torch.zeros(8, 1, 64)] * 2, None)[0] is None
+
+
 def test_no_wgmma_off_hopper() -> None:
     from mla_ops import triton_kernels
 
@@ -261,19 +317,26 @@ def test_no_wgmma_off_hopper() -> None:
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "stages", "kv_dtype"), [(16, 2, None), (64, 2, None), (16, 3, "fp8e4nv")]
-)
-def test_compiles_to_wgmma_for_sm90(rows: int, stages: int, kv_dtype: str | None) -> None:
+    ("rows", "stages", "kv_dtype", "page_size"),
+    [(16, 2, None, 64), (64, 2, None, 64), (16, 3, "fp8e4nv", 64), (16, 2, None, 1),
+     (64, 2, "fp8e4nv", 16)],
+)  # fmt: skip
+def test_compiles_to_wgmma_for_sm90(
+    rows: int, stages: int, kv_dtype: str | None, page_size: int
+) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
-    in the PTX, no mma.sync, at most a few spilled scalars, and shared memory within
-    ``wgmma_shared_memory``'s bound and one SM. Over a float8 cache at 16 rows, the three ring
-    slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``."""
+    (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
+    most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
+    SM. Over a float8 cache at 16 rows, the three ring slots ``wgmma_stages`` picks, and the
+    conversion by ``cvt.rn.f16x2.e4m3x2``."""
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
+    gather = page_size % 64 != 0
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
-        f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}); "
+        f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
+        f"page_size={page_size}, gather={gather}); "
         "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); print(r)"
     )
     # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
@@ -284,7 +347,11 @@ def test_compiles_to_wgmma_for_sm90(rows: int, stages: int, kv_dtype: str | None
     assert run.returncode == 0, run.stderr[-3000:]
     res = ast.literal_eval(run.stdout.strip().splitlines()[-1])  # the child's dict
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
-    assert res["tma"] > 0, res
+    if gather:  # every row copy 16 bytes wide
+        assert res["tma"] == 0 and res["cp.async"] > 0, res
+        assert res["cp.async_16B"] == res["cp.async"], res
+    else:
+        assert res["tma"] > 0 and res["cp.async"] == 0, res
     # Triton 3.6 (the GPU machine) spills nothing; Triton 3.9 puts 72 bytes per thread on the
     # stack at 16 rows (cuobjdump's STACK, which the old LOCAL-only check missed). Less than the
     # O^T accumulator (256 bytes per thread at 16 rows), which must stay in registers.

@@ -1,0 +1,128 @@
+"""What the planner's empty headroom splits cost the wgmma kernel, and which launch order hides it.
+
+The planner asks for up to twice a sequence's even share of splits (``RAGGED_HEADROOM``) so that a
+ragged batch can balance; in a uniform batch those splits are empty. Timed for the kernel as
+shipped (splits vary slowest in its 1-D grid) and a variant built by text substitution (as
+``wgmma_bottleneck.py`` does) where splits vary fastest, each with ``fill_empty`` on (an empty
+split writes the contract's zero ``out``) and off (only its ``-inf`` LSE, what ``mla_decode``
+asks for).
+
+Times decode + combine (CUDA-graph replays, rotated inputs) with the planner's plan and with one
+split per sequence (no headroom), and the shipped kernel without the combine (``decode_only``).
+(Session 12 ran a first version of this on the previous kernel: splits fastest, zeros always
+written, with a substitution that skipped them; NOTES.md item 26.)
+
+    python benchmarks/experiments/headroom_cost.py --cases a,d,e,g --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench_decode as bd
+import wgmma_bottleneck as wb
+
+from mla_ops import triton_kernels as tk
+from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+
+SPLIT_FASTEST = [
+    (
+        "    split = pid // (batch * num_row_blocks)\n"
+        "    pid_bm = pid % (batch * num_row_blocks)\n",
+        "    split = pid % num_splits\n    pid_bm = pid // num_splits\n",
+    )
+]
+VARIANTS = {"split_slowest": [], "split_fastest": SPLIT_FASTEST}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="a,d,e,g")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    wb.VARIANTS.update(VARIANTS)
+    folder = Path(tempfile.mkdtemp())
+    modules = {name: wb.build(name, folder) for name in VARIANTS}
+    props = torch.cuda.get_device_properties(0)
+    ceil = bd.ceilings()
+    rows = []
+    for name in args.cases.split(","):
+        case = bd.CASES[name]
+        gen = torch.Generator().manual_seed(0)
+        first = bd.Inputs(case, gen, with_contiguous=False)
+        n_copies = min(8, math.ceil(4 * props.L2_cache_size / (first.kv_cache.numel() * 2)))
+        copies = [first] + [bd.Inputs(case, gen, False) for _ in range(n_copies - 1)]
+        ref = bd.reference(first, case)
+        floor = bd.floor_seconds(case, dict(ceil))
+        plan = bd.planned(case, first)
+        block_m, warps = tk.wgmma_tiling(case.heads * case.s_q)
+        smem = tk.shared_memory_optin(torch.device("cuda"))
+        stages = tk.wgmma_stages(block_m, 512, 64, case.fp8, smem)
+        for ns, ts in [(plan.num_splits, plan.total_splits), (1, None)]:
+            runs = [(f"{v}{'' if fill else '_no_fill'}", m, fill) for v, m in modules.items()
+                    for fill in (True, False)]  # fmt: skip
+            runs.append(("decode_only_no_fill", modules["split_slowest"], False))
+            for variant, module, fill in runs:
+                if ns == 1 and variant not in ("split_slowest_no_fill", "decode_only_no_fill"):
+                    continue
+                with_combine = not variant.startswith("decode_only")
+
+                def make(inp, module=module, ns=ns, ts=ts, block_m=block_m, warps=warps,
+                         stages=stages, gather=case.page_size % 64 != 0,
+                         with_combine=with_combine, fill=fill):  # fmt: skip
+                    kv_c, k_pe = inp.decode_cache()
+                    b, s_q, h, _ = inp.q.shape
+                    o = torch.empty((b, s_q, h, ns, 512), device="cuda")
+                    lse = torch.empty((b, s_q, h, ns), device="cuda")
+
+                    def fn():
+                        module.launch(
+                            inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, o, lse,
+                            bd.SCALE, inp.kv_scale, True, ns, ts, block_m=block_m,
+                            num_warps=warps, num_stages=stages, min_chunk=MIN_CHUNK,
+                            granule=SPLIT_GRANULE, lengths_per_step=128,
+                            gather=gather, fill_empty=fill,
+                        )  # fmt: skip
+                        if not with_combine:
+                            return o
+                        return torch.ops.mla.combine(o, lse, torch.bfloat16)[0]
+
+                    return fn
+
+                fns = [make(inp) for inp in copies]
+                err = bd.rel_err(fns[0](), ref) if with_combine else float("nan")
+                t = bd.time_rotating([bd.graphed(f) for f in fns], warmup=10, rep=100)
+                row = dict(
+                    case=name, variant=variant, num_splits=ns, total_splits=ts, us=t * 1e6,
+                    roofline_fraction=floor / t, rel_err=err,
+                )  # fmt: skip
+                rows.append(row)
+                print(row, flush=True)
+        del copies, first
+        torch.cuda.empty_cache()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = dict(device=props.name, torch=torch.__version__, triton=bd.triton.__version__)
+    (out / "headroom_cost.json").write_text(json.dumps(dict(report, ceilings=ceil, rows=rows)))
+    print(f"\n{props.name}; {ceil}")
+    print(f"{'case':5}{'variant':24}{'splits':>9}{'us':>9}{'roofline':>9}{'err':>9}")
+    for r in rows:
+        sp = f"{r['num_splits']}/{r['total_splits']}"
+        print(
+            f"{r['case']:5}{r['variant']:24}{sp:>9}{r['us']:9.1f}"
+            f"{r['roofline_fraction']:9.3f}{r['rel_err']:9.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
