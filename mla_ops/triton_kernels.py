@@ -673,14 +673,14 @@ def wgmma_path(
     k_pe: torch.Tensor,
     block_table: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
-) -> tuple[bool, str]:
-    """``wgmma_plan_path`` plus what only real tensors show: whether the cache's layout lets the
-    kernel fetch its tiles (``wgmma_loads``)."""
+) -> tuple[str | None, str]:
+    """``wgmma_plan_path`` plus what only real tensors show: how the kernel fetches the cache's
+    tiles (``wgmma_loads``: ``"tma"`` or ``"gather"``), or ``None`` if it cannot run; and why."""
     ok, why = wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)
     if not ok:
-        return ok, why
+        return None, why
     loads, why_loads = wgmma_loads(kv_c, k_pe, block_table)
-    return loads is not None, f"{why}; {why_loads}"
+    return loads, f"{why}; {why_loads}"
 
 
 def _descriptor(t: torch.Tensor, block_n: int):
@@ -780,21 +780,20 @@ def decode(
         smem = shared_memory_optin(q.device)
         config = default_config(rows, kv_len, rope_len, q.element_size(), smem, float8)
     cfg = config
-    use_wgmma, why = (False, "turned off (DecodeConfig.use_wgmma=False)")
+    loads, why = None, "turned off (DecodeConfig.use_wgmma=False)"
     if cfg.use_wgmma is not False:
-        use_wgmma, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
-        if use_wgmma and kv_c.dtype == torch.float8_e4m3fn and not cfg.fp8_in_f16:
+        loads, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
+        if loads and kv_c.dtype == torch.float8_e4m3fn and not cfg.fp8_in_f16:
             # The wgmma kernel computes a float8 cache in fp16 only.
-            use_wgmma, why = False, "DecodeConfig.fp8_in_f16=False (the wgmma kernel uses fp16)"
-        if cfg.use_wgmma and not use_wgmma:
+            loads, why = None, "DecodeConfig.fp8_in_f16=False (the wgmma kernel uses fp16)"
+        if cfg.use_wgmma and not loads:
             raise ValueError(f"DecodeConfig.use_wgmma=True, but the wgmma kernel cannot run: {why}")
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("mla::decode: %s kernel (%s)", "Gluon wgmma" if use_wgmma else "Triton", why)
-    if use_wgmma:
+        log.debug("mla::decode: %s kernel (%s)", "Gluon wgmma" if loads else "Triton", why)
+    if loads:
         from . import wgmma_decode
 
         LAST_LAUNCH["decode_path"] = "wgmma"
-        loads = wgmma_loads(kv_c, k_pe, block_table)[0]
         LAST_LAUNCH["wgmma_loads"] = loads
         block_m, num_warps = wgmma_tiling(rows)
         float8 = kv_c.dtype == torch.float8_e4m3fn

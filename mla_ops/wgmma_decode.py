@@ -333,7 +333,8 @@ def _mla_decode_wgmma_kernel(
     # Splits vary slowest in the launch order: every sequence's first chunk, then every second
     # one, ... The real programs of a uniform batch fill the first wave and the planner's empty
     # headroom splits run on what is left. Without the empty splits' zeros this beat splits
-    # varying fastest on the ragged (e) by 3.5 % and on (d) by 0.7 % (NOTES.md item 26).
+    # varying fastest on the ragged (e) by 3-3.5 % and on (d) by 0.7-0.9 %, and tied on (a)
+    # (two H100 runs, NOTES.md item 26).
     pid = gl.program_id(0)
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
     split = pid // (batch * num_row_blocks)
@@ -362,7 +363,8 @@ def _mla_decode_wgmma_kernel(
     row_ok_st = rows_st < S_Q * H
     if start >= end:
         # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
-        # alone; the zeros of a uniform batch's headroom splits cost 1.6 % of (a), NOTES item 26).
+        # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (a), (d), (e),
+        # NOTES item 26).
         _store_partial_t(
             O_PART, LSE_PART, gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout),
             gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout)),
