@@ -334,21 +334,30 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
             rows.append(Row(case.name, name, None, note=msg))
         torch.cuda.empty_cache()
 
-    # Split into decode and combine: the combine's share of the total.
+    # Split into decode and combine: the combine's share of the total is what it adds to the
+    # call, mla_decode minus its decode alone (the same plan, no zeros for empty splits, graph
+    # replays of the same rotated inputs). The combine timed alone in a graph of its own is
+    # reported too; that figure carries a lone graph's launch (NOTES.md item 27).
     from mla_ops import triton_kernels as tk
 
-    inp = first
-    plan = planned(case, inp)
-    o_p, l_p = torch.ops.mla.decode(*inp.op_args(*plan))
+    plan = planned(case, first)
+    args = [i.op_args(*plan) for i in copies]
+    t_decode = time_rotating(
+        [graphed(lambda a=a: torch.ops.mla.decode(*a, fill_empty=False)) for a in args]
+    )
+    o_p, l_p = torch.ops.mla.decode(*first.op_args(*plan))
     kernel = tk.LAST_LAUNCH["decode_path"]
-    t_comb = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
+    t_alone = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
+        in_call_us = ours.time_us - t_decode * 1e6
         ours.extra.update(
             num_splits=plan.num_splits,
             total_splits=plan.total_splits,
-            combine_us=t_comb * 1e6,
-            combine_share=t_comb * 1e6 / ours.time_us,
+            decode_only_us=t_decode * 1e6,
+            combine_us=in_call_us,
+            combine_share=in_call_us / ours.time_us,
+            combine_alone_us=t_alone * 1e6,
             kernel=kernel,  # wgmma (Gluon), tma or gather (Triton)
         )
     return rows

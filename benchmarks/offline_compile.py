@@ -57,7 +57,7 @@ def compile_decode(
         S_Q=s_q, H=heads, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
-        DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None,
+        DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None, LAUNCH_DEPENDENTS=True,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128, FILL_EMPTY=False,
         ONE_POSITION=one_position,
@@ -100,7 +100,7 @@ def compile_decode(
 def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
-    page_size: int = 64, gather: bool = False,
+    page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -119,6 +119,10 @@ def compile_wgmma(
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
         KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.CONVERT_CHUNK), GATHER=gather,
         FILL_EMPTY=False,
+        PRODUCER_WARPS=(
+            wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
+        ),
+        PRODUCER_REGS=wd.PRODUCER_REGS[gather],
         num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
     )  # fmt: skip
     if gather:
@@ -204,6 +208,9 @@ def main() -> None:
         "--per-row-positions", action="store_true", help="ONE_POSITION off (as for S_q > 1)"
     )
     p.add_argument("--wgmma", action="store_true", help="the Gluon wgmma kernel (16 rows)")
+    p.add_argument(
+        "--producer-warps", type=int, default=None, help="wgmma: producer partition (0: none)"
+    )
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     if args.wgmma:
@@ -211,10 +218,12 @@ def main() -> None:
         compiled = compile_wgmma(
             rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps,
             kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
+            producer_warps=args.producer_warps,
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
-            f"kv {args.kv_dtype or args.dtype} page size {args.page_size}: "
+            f"kv {args.kv_dtype or args.dtype} page size {args.page_size} producer warps "
+            f"{args.producer_warps if args.producer_warps is not None else 'default'}: "
             f"{resources(compiled)}"
         )
         if args.dump:

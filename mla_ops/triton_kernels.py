@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .planner import MIN_CHUNK, SPLIT_GRANULE, log, rows_per_program
 from .reference import MASK_HIDDEN, accumulation_dtype
@@ -195,7 +196,10 @@ def _mla_decode_kernel(
     ONE_POSITION: tl.constexpr,  # S_Q == 1 or H % BLOCK_M == 0: a program's rows share one s
     BLOCK_B: tl.constexpr,  # sequences summed per step when BALANCED
     FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
+    LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (the combine) launch early (PDL)
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
     num_row_blocks = tl.cdiv(S_Q * H, BLOCK_M)
@@ -419,7 +423,11 @@ def _mla_combine_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_L: tl.constexpr,
     ACC: tl.constexpr,
+    WAIT_PRIMARY: tl.constexpr,  # launched early (PDL): wait for the previous kernel's writes
 ):
+    if WAIT_PRIMARY:
+        # Nothing is read or written before the decode's partials are complete and visible.
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     l_block = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -497,6 +505,19 @@ def has_copy_engine(device: torch.device) -> bool:
     Tests replace this to run the TMA path in Triton's interpreter, which emulates descriptors.
     """
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``): CUDA (not ROCm), compute capability
+    >= 9, compiled kernels. The decode kernels let the combine launch while their last programs
+    run, and the combine waits for their writes on the device: its launch latency leaves the
+    critical path (inside CUDA graphs too, as a programmatic edge)."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def has_e4m3_convert(device: torch.device) -> bool:
@@ -798,13 +819,15 @@ def decode(
         block_m, num_warps = wgmma_tiling(rows)
         float8 = kv_c.dtype == torch.float8_e4m3fn
         stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
+        producer_warps = wgmma_decode.default_producer_warps(num_warps, loads == "gather")
+        LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
         with torch.cuda.device(q.device):
             LAST_LAUNCH["decode"] = wgmma_decode.launch(
                 q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
                 kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
                 num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
                 granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
-                gather=loads == "gather", fill_empty=fill_empty,
+                gather=loads == "gather", fill_empty=fill_empty, producer_warps=producer_warps,
             )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)
@@ -894,6 +917,7 @@ def decode(
             ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
             BLOCK_B=LENGTHS_PER_STEP,
             FILL_EMPTY=fill_empty,
+            LAUNCH_DEPENDENTS=has_pdl(q.device),
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -917,6 +941,7 @@ def combine(
     # About 4096 partial values per program, 2 warps: measured on an H100 against the former fixed
     # 128 columns x 4 warps, 11-18 % faster with 64 splits and 2x with 1 split (NOTES.md item 18).
     block_l = min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
+    pdl = has_pdl(out.device)
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
             o3,
@@ -931,6 +956,8 @@ def combine(
             BLOCK_S=block_s,
             BLOCK_L=block_l,
             ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
+            WAIT_PRIMARY=pdl,
             num_warps=2,
+            **({"launch_pdl": True} if pdl else {}),
         )
     return out, lse

@@ -2,9 +2,10 @@
 
 Same contract as ``triton_kernels._mla_decode_kernel`` (partials ``[B, S_q, H, splits, L]`` in
 float32 and their lse, the same split bounds, NaN rows for tokens at an invalid cache location), for
-the common serving layout only: a paged cache whose pages hold whole 64-token tiles, no attention
-mask, with ``kv_c`` in q's dtype (bf16/fp16) or in float8 e4m3 with a per-tensor scale (``k_pe`` in
-q's dtype). ``wgmma_path`` says whether a call qualifies and, if not, why.
+the common serving layout only: a paged cache (pages of whole 64-token tiles go through TMA, any
+other page size is gathered row by row), no attention mask, with ``kv_c`` in q's dtype (bf16/fp16)
+or in float8 e4m3 with a per-tensor scale (``k_pe`` in q's dtype). ``wgmma_path`` says whether a
+call qualifies and, if not, why.
 
 Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
 so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
@@ -18,8 +19,13 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   are an N=16 ``wgmma``.
 * per thread: ``O^T`` is ``L x BLOCK_M / 128`` float32 registers (64 for 16 rows), the scores
   ``BLOCK_N x BLOCK_M / 128`` (8); the query lives in shared memory, not registers.
-* KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA and
-  tracked by mbarriers, so the loads run ahead of the math without any warp waiting on them.
+* KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA (or
+  ``cp.async`` gathers) and tracked by mbarriers, so the loads run ahead of the math without any
+  warp waiting on them. In 16-row programs a producer partition of its own (warp specialisation:
+  one warp for TMA, a warpgroup for gathers) looks up the pages and issues the copies, each into
+  a slot as soon as the math warps hand it back on its ``free`` barrier; 32- and 64-row programs
+  (8 math warps, up to 241 registers each) issue their copies themselves
+  (``default_producer_warps``).
 
 Rows past a split's end in its last tile hold stale cache memory (maybe NaN); they are zeroed in
 shared memory before the tile is used, so ``p = 0`` times them stays 0.
@@ -58,6 +64,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # Likewise for the per-thread asynchronous copy (``cp.async``): ``async_load`` in later releases.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+# The barrier of all threads executing the region (a partition's own under warp specialisation):
+# ``thread_barrier`` in Triton 3.6, ``barrier`` later.
+_thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
@@ -262,6 +271,182 @@ def _online_softmax(s_t, m_i, l_i, offs_n, end, last_key, scale_log2):
 
 
 @gluon.jit
+def _produce_tiles(
+    KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, ready, free, done, bad_smem, b64,
+    start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
+    stride_pep, stride_pet, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, CHUNK: gl.constexpr,
+):  # fmt: skip
+    """The producer partition (``PRODUCER_WARPS`` warps of their own): locate and copy every tile
+    of the split into the ring, each into a slot as soon as the math warps have freed it; then
+    the tokens at an invalid cache location into ``bad_smem``, signalled on ``done``.
+
+    The page-table lookups, the copy instructions (36 ``cp.async`` per thread and tile when a
+    16-row warpgroup gathers them itself) and the waits for free slots leave the math warps'
+    critical path.
+    """
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    WARPS: gl.constexpr = gl.num_warps()
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
+    if KV_FP8:
+        gather_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
+    else:
+        gather_layout: gl.constexpr = io_layout
+    n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        # Located before the wait: the lookup's latency overlaps the math on the slot.
+        where, bad = _locate_tile(
+            BLOCK_TABLE, b64, tile_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+        )  # fmt: skip
+        n_bad += bad
+        # A fresh barrier counts as having completed the phase before its first: the first
+        # NUM_STAGES waits pass at once.
+        mbarrier.wait(free.index(slot), ((i // NUM_STAGES) & 1) ^ 1)
+        if GATHER:
+            # cp.async writes through the generic proxy what wgmma last read through the async one.
+            fence_async_shared()
+        _copy_tile(
+            KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, tile_start, where,
+            stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
+            CHUNK, gather_layout, io_layout,
+        )  # fmt: skip
+    bad_smem.store(n_bad)
+    # Every producer thread's store before the one arrival.
+    _thread_barrier()
+    mbarrier.arrive(done, count=1)
+
+
+@gluon.jit
+def _consume_tiles(
+    Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, stage, p_smem,
+    ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs,
+    stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
+    stride_pep, stride_pet, scale_log2, kv_scale, S_Q: gl.constexpr, H: gl.constexpr,
+    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
+    KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
+):  # fmt: skip
+    """The math warps: the query into shared memory, then for each tile its scores, the online
+    softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
+
+    With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
+    without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
+    themselves (the first ``NUM_STAGES`` were issued before the call) and count its invalid
+    tokens into ``n_bad``.
+    """
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    num_warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_smem.dtype
+    WG: gl.constexpr = num_warps // 4
+    # Scores S^T [BLOCK_N, BLOCK_M]: one warpgroup per 64 tokens, further warpgroups split the rows.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_M // WG, 16]
+    )
+    # O^T [L, BLOCK_M]: warpgroups split the L latent columns.
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
+    )
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
+    conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    if KV_FP8:
+        gather_layout: gl.constexpr = conv_layout
+    else:
+        gather_layout: gl.constexpr = io_layout
+
+    # The query block into shared memory (rows past S_q * H are zeros).
+    rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
+    row_ok_io = rows_io < S_Q * H
+    offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
+    q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
+    nope_scale = kv_scale
+    if KV_FP8:
+        # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
+        # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
+        # scores take it back with kv_scale, in float32 (_tile_scores).
+        q32 = q_nope.to(gl.float32)
+        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
+        q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
+        nope_scale = kv_scale * gl.exp2(q_shift)
+    else:
+        q_smem.store(q_nope)
+    if HAS_PE:
+        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
+        q_pe = gl.load(
+            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
+        )
+        qpe_smem.store(q_pe)
+    fence_async_shared()
+
+    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
+    rows_s = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL:
+        last_key = seqlen - S_Q + rows_s // H
+    else:
+        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(0, s_layout)) + seqlen - 1
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+
+    # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
+    # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
+    # waits for tile i+1's copy. NOTES.md item 24.)
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        # The tile that refills this slot, located now (nothing past end counts as bad).
+        next_start = tile_start + NUM_STAGES * BLOCK_N
+        if not PRODUCER:
+            next_where, bad = _locate_tile(
+                BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+                PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+            )  # fmt: skip
+            n_bad += bad
+        s_t = _tile_scores(
+            kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
+            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CHUNK, io_layout, conv_layout,
+        )  # fmt: skip
+        # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
+        if KV_FP8:
+            if PRODUCER:
+                mbarrier.arrive(free.index(slot), count=1)
+            elif i + NUM_STAGES < n_tiles:
+                _copy_tile(
+                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start,
+                    next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
+                    HAS_PE, GATHER, L, R, CHUNK, gather_layout, io_layout,
+                )  # fmt: skip
+        p_t, m_i, l_i, alpha = _online_softmax(
+            s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
+        )
+        o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
+        p_smem.store(p_t.to(dtype))
+        fence_async_shared()
+        v_tile = stage if KV_FP8 else kv_ring.index(slot)
+        o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
+        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
+        # The slot is free again: start the tile NUM_STAGES ahead into it.
+        if not KV_FP8:
+            if PRODUCER:
+                mbarrier.arrive(free.index(slot), count=1)
+            elif i + NUM_STAGES < n_tiles:
+                _copy_tile(
+                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start,
+                    next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
+                    HAS_PE, GATHER, L, R, CHUNK, gather_layout, io_layout,
+                )  # fmt: skip
+    return o_t, m_i, l_i, n_bad
+
+
+@gluon.jit
 def _mla_decode_wgmma_kernel(
     Q,  # [B, S_q, H, L+R]
     SEQLENS,  # [B] int32
@@ -302,23 +487,22 @@ def _mla_decode_wgmma_kernel(
     CHUNK: gl.constexpr,  # columns converted (KV_FP8) or gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
+    PRODUCER_WARPS: gl.constexpr,  # warps of a producer partition that copies (0: none)
+    PRODUCER_REGS: gl.constexpr,  # registers per thread of the producer partition
     num_warps: gl.constexpr,
 ):  # fmt: skip
+    # Programmatic dependent launch: the combine may launch now; it waits on the device for this
+    # grid's writes (triton_kernels.has_pdl).
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
         dtype: gl.constexpr = gl.float16
     else:
         dtype: gl.constexpr = q_dtype
-    # Scores S^T [BLOCK_N, BLOCK_M]: one warpgroup per 64 tokens, further warpgroups split the rows.
-    WG: gl.constexpr = num_warps // 4
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_M // WG, 16]
-    )
-    # O^T [L, BLOCK_M]: warpgroups split the L latent columns.
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
     conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
@@ -408,116 +592,83 @@ def _mla_decode_wgmma_kernel(
     p_smem = gl.allocate_shared_memory(
         dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     )
+    # ready: a slot's tile has landed; free: the math warps are done with a slot.
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    # A copy-engine fill is one expected arrival (plus its bytes); a gathered one, every copying
+    # thread's.
+    copiers: gl.constexpr = (PRODUCER_WARPS if PRODUCER_WARPS > 0 else num_warps) * 32
     for i in gl.static_range(NUM_STAGES):
-        # A copy-engine fill is one expected arrival (plus its bytes); a gathered one, every
-        # thread's.
-        mbarrier.init(ready.index(i), count=num_warps * 32 if GATHER else 1)
+        mbarrier.init(ready.index(i), count=copiers if GATHER else 1)
+        mbarrier.init(free.index(i), count=1)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
-    # Tokens at an invalid cache location, counted as their tiles are located: per tile row for
-    # gathered tiles (summed once at the end; a sum per tile costs a cross-warp reduction).
-    if GATHER:
-        n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
-    else:
-        n_bad = gl.to_tensor(0)
-    # Prologue: the first NUM_STAGES tiles in flight before the query is even read.
-    for i in gl.static_range(NUM_STAGES):
-        if i < n_tiles:
-            where, bad = _locate_tile(
-                BLOCK_TABLE, b64, start + i * BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
-                MAX_PAGES, PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
-            )  # fmt: skip
-            n_bad += bad
-            _copy_tile(
-                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, i, start + i * BLOCK_N, where,
-                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
-                CHUNK, gather_layout, io_layout,
-            )  # fmt: skip
-
-    # The query block into shared memory (rows past S_q * H are zeros).
-    rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-    q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
-    row_ok_io = rows_io < S_Q * H
-    offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
-    q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
-    nope_scale = kv_scale
-    if KV_FP8:
-        # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
-        # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
-        # scores take it back with kv_scale, in float32 (_tile_scores).
-        q32 = q_nope.to(gl.float32)
-        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
-        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
-        q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
-        nope_scale = kv_scale * gl.exp2(q_shift)
-    else:
-        q_smem.store(q_nope)
-    if HAS_PE:
-        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
-        q_pe = gl.load(
-            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
+    # Tokens at an invalid cache location, counted per tile row as tiles are located (a scalar
+    # sum per tile costs a cross-warp reduction; summed once at the end).
+    n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
+    if PRODUCER_WARPS > 0:
+        # Warp specialisation: the producer warps copy, these warps (the default partition) do
+        # the math.
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(done, count=1)
+        bad_smem = gl.allocate_shared_memory(
+            gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         )
-        qpe_smem.store(q_pe)
-    fence_async_shared()
-
-    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
-    rows_s = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        last_key = seqlen - S_Q + rows_s // H
+        o_t, m_i, l_i, n_bad = gl.warp_specialize(
+            [
+                (
+                    _consume_tiles,
+                    (
+                        Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring,
+                        pe_ring, stage, p_smem, ready, free, n_bad, b64, row_block, seqlen,
+                        start, end, n_tiles, stride_qb, stride_qs, stride_qh, stride_qd,
+                        stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
+                        stride_pep, stride_pet, scale_log2, kv_scale, S_Q, H, L, R, PAGE_SIZE,
+                        BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER, True,
+                    ),
+                ),
+                (
+                    _produce_tiles,
+                    (
+                        KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, ready, free,
+                        done, bad_smem, b64, start, end, n_tiles, stride_btb, stride_btp,
+                        NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet,
+                        PAGE_SIZE, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, R, CHUNK,
+                    ),
+                ),
+            ],
+            [PRODUCER_WARPS],
+            [PRODUCER_REGS],
+        )  # fmt: skip
+        mbarrier.wait(done, 0)
+        n_bad = bad_smem.load(gl.SliceLayout(1, gather_layout))
+        mbarrier.invalidate(done)
     else:
-        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(0, s_layout)) + seqlen - 1
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
-    o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-
-    # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
-    # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
-    # waits for tile i+1's copy. NOTES.md item 24.)
-    for i in range(n_tiles):
-        slot = i % NUM_STAGES
-        tile_start = start + i * BLOCK_N
-        # The tile that refills this slot, located now (nothing past end counts as bad).
-        next_start = tile_start + NUM_STAGES * BLOCK_N
-        next_where, bad = _locate_tile(
-            BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
-            PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+        # Prologue: the first NUM_STAGES tiles in flight before the query is even read.
+        for i in gl.static_range(NUM_STAGES):
+            if i < n_tiles:
+                where, bad = _locate_tile(
+                    BLOCK_TABLE, b64, start + i * BLOCK_N, end, stride_btb, stride_btp,
+                    NUM_PAGES, MAX_PAGES, PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+                )  # fmt: skip
+                n_bad += bad
+                _copy_tile(
+                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, i, start + i * BLOCK_N,
+                    where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE,
+                    GATHER, L, R, CHUNK, gather_layout, io_layout,
+                )  # fmt: skip
+        o_t, m_i, l_i, n_bad = _consume_tiles(
+            Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, stage,
+            p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb,
+            stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale, S_Q, H, L, R,
+            PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER, False,
         )  # fmt: skip
-        n_bad += bad
-        s_t = _tile_scores(
-            kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CHUNK, io_layout, conv_layout,
-        )  # fmt: skip
-        # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
-        if KV_FP8 and i + NUM_STAGES < n_tiles:
-            _copy_tile(
-                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
-                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
-                CHUNK, gather_layout, io_layout,
-            )  # fmt: skip
-        p_t, m_i, l_i, alpha = _online_softmax(
-            s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
-        )
-        o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        p_smem.store(p_t.to(dtype))
-        fence_async_shared()
-        v_tile = stage if KV_FP8 else kv_ring.index(slot)
-        o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
-        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
-        # The slot is free again: start the tile NUM_STAGES ahead into it.
-        if not KV_FP8 and i + NUM_STAGES < n_tiles:
-            _copy_tile(
-                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
-                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
-                CHUNK, gather_layout, io_layout,
-            )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
-    if GATHER:
-        n_bad = gl.sum(n_bad, 0)
+        mbarrier.invalidate(free.index(i))
+    n_bad = gl.sum(n_bad, 0)
 
     l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
     m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
@@ -545,6 +696,21 @@ _GL_DTYPES = {
 # Columns of a float8 tile converted (or of any tile gathered) at a time: 128 float8 values fill
 # one swizzle atom's width.
 CONVERT_CHUNK = 128
+
+
+# Registers per thread of the producer partition (setmaxnreg; a multiple of 8 from 24): TMA
+# issue is a few scalars, a gather holds its row addresses. (TMA, gather)
+PRODUCER_REGS = (40, 88)
+
+
+def default_producer_warps(num_warps: int, gather: bool) -> int:
+    """Warps of the producer partition for a kernel of ``num_warps`` math warps: a warpgroup
+    of four for gathers (144 16-byte copies per tile and thread for one warp), one warp for the
+    copy engine; 0 (the math warps copy) for 8 math warps, whose 241 registers per thread at 64
+    rows leave nothing to give a producer (registers are allotted per warpgroup)."""
+    if num_warps > 4:
+        return 0
+    return 4 if gather else 1
 
 
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
@@ -576,13 +742,17 @@ def launch(
     lengths_per_step: int,
     gather: bool = False,
     fill_empty: bool = True,
+    producer_warps: int | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
     gather: copy KV tiles row by row with ``cp.async`` (any page size) instead of by TMA
     (``triton_kernels.wgmma_loads`` says which a cache allows). fill_empty: an empty split writes
-    its zero ``out`` (False: only its ``lse = -inf``).
+    its zero ``out`` (False: only its ``lse = -inf``). producer_warps: warps of a partition of
+    their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
     """
+    if producer_warps is None:
+        producer_warps = default_producer_warps(num_warps, gather)
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     if gather:
@@ -639,5 +809,7 @@ def launch(
         CHUNK=min(kv_len, CONVERT_CHUNK),
         GATHER=gather,
         FILL_EMPTY=fill_empty,
+        PRODUCER_WARPS=producer_warps,
+        PRODUCER_REGS=PRODUCER_REGS[bool(gather)],
         num_warps=num_warps,
     )

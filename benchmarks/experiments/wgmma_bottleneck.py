@@ -48,8 +48,16 @@ NO_LOAD = [
         "mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)",
         "mbarrier.wait(ready.index(slot), 0)",
     ),
-    ("if KV_FP8 and i + NUM_STAGES < n_tiles:", "if KV_FP8 and i < 0:"),
-    ("if not KV_FP8 and i + NUM_STAGES < n_tiles:", "if not KV_FP8 and i < 0:"),
+    # The math warps' own refills (no producer partition)...
+    (r"re:elif i \+ NUM_STAGES < n_tiles:", "elif i < 0:"),
+    # ... and the producer partition's: the first NUM_STAGES tiles only, never waiting for a
+    # free slot (the math warps' arrivals on the free barriers then go unanswered).
+    (
+        "    for i in range(n_tiles):\n        slot = i % NUM_STAGES\n"
+        "        tile_start = start + i * BLOCK_N\n        # Located before the wait",
+        "    for i in range(gl.minimum(n_tiles, NUM_STAGES)):\n        slot = i % NUM_STAGES\n"
+        "        tile_start = start + i * BLOCK_N\n        # Located before the wait",
+    ),
 ]
 NO_SOFTMAX = [
     ("p_t, m_i, l_i, alpha = _online_softmax(", "p_t, m_i, l_i, alpha = _raw_scores("),

@@ -79,3 +79,49 @@ def test_nan_state_propagates(device: str) -> None:
     out, lse = mla_ops.mla_combine(torch.ones(3, 2, 4, device=device), lse_p)
     assert torch.isnan(out[1]).all() and torch.isnan(lse[1])
     assert not torch.isnan(out[[0, 2]]).any()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("page_size", [64, 1])
+def test_decode_then_combine_in_a_cuda_graph_matches_eager(page_size: int) -> None:
+    """On sm_90+ the combine is launched early (programmatic dependent launch, ``has_pdl``) and
+    waits on the device for the decode's partials: captured in a CUDA graph, replays of
+    ``mla_decode`` on new inputs equal eager calls bit for bit, and so does a combine whose
+    partials a plain PyTorch kernel wrote just before it."""
+    from mla_ops import triton_kernels
+
+    case = make_case(
+        90 + page_size, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
+        heads=16, s_q=1, lengths=[3000, 1, 700, 0], num_splits=4, total_splits=8,
+    )  # fmt: skip
+    q, kv_c, k_pe, seqlens, table = (
+        case.q.clone(), case.kv_c.clone(), case.k_pe.clone(), case.cache_seqlens, case.block_table
+    )  # fmt: skip
+
+    def call() -> torch.Tensor:
+        return mla_ops.mla_decode(
+            q, (kv_c, k_pe), seqlens, block_table=table, head_dim_v=512, softmax_scale=0.1
+        )[0]
+
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = call()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        kv_c.copy_(torch.randn(kv_c.shape, generator=gen, device="cuda"))
+        graph.replay()
+        assert torch.equal(out_graph, call()), seed
+    # Partials written by an ordinary kernel right before the combine (the stream's previous
+    # kernel is then no decode kernel and triggers nothing early).
+    out_p = torch.empty(64, 6, 512, device="cuda")
+    lse_p = torch.empty(64, 6, device="cuda")
+    for _ in range(3):
+        torch.randn(out_p.shape, out=out_p, device="cuda")
+        torch.randn(lse_p.shape, out=lse_p, device="cuda")
+        out, lse = mla_ops.mla_combine(out_p, lse_p)
+        ref, ref_lse = merge64(out_p, lse_p)
+        torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
+    assert triton_kernels.has_pdl(q.device) == (torch.cuda.get_device_capability()[0] >= 9)

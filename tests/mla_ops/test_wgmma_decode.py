@@ -207,6 +207,36 @@ def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, page_size: int) -
 
 
 @requires_hopper
+@pytest.mark.parametrize(("page_size", "float8"), [(64, False), (1, False), (64, True), (3, True)])
+def test_producer_partition_matches_math_warps_copying(
+    kernels, monkeypatch, page_size: int, float8: bool
+) -> None:
+    """16-row programs copy through a producer partition (one warp for TMA, a warpgroup for
+    gathers): the partials, a bad page's NaN included, are bit-equal to those of the kernel whose
+    math warps issue the copies themselves (``producer_warps=0``)."""
+    from mla_ops import wgmma_decode
+
+    kw = dict(
+        page_size=page_size, dims=(512, 64), heads=16, s_q=1, lengths=[1000, 0, 300, 64, 130],
+        num_splits=3, total_splits=4,
+    )  # fmt: skip
+    if float8:
+        case = _fp8_pair_case(71, torch.bfloat16, **kw)
+    else:
+        case = make_case(71, dtype=torch.bfloat16, device="cuda", **kw)
+    case.block_table[3, 0] = 10**6  # a bad page id in one sequence
+    out_ws, lse_ws = kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == (1 if page_size % 64 == 0 else 4)
+    monkeypatch.setattr(wgmma_decode, "default_producer_warps", lambda num_warps, gather: 0)
+    out_0, lse_0 = kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
+    # [B, S_q, H, splits]: the bad page's split only, in its sequence only.
+    assert torch.isnan(lse_ws[3, ..., 0]).all() and torch.isnan(lse_ws).sum() == 16
+    assert torch.equal(lse_ws.nan_to_num(), lse_0.nan_to_num())
+    assert torch.equal(out_ws.nan_to_num(), out_0.nan_to_num())
+
+
+@requires_hopper
 def test_config_can_turn_wgmma_off(kernels) -> None:
     case = make_case(
         5, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1
