@@ -290,14 +290,18 @@ def planned(case: Case, inp: Inputs):
     return plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device, wgmma)
 
 
-def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
+def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> list[Inputs]:
+    """Copies of a case's inputs (seed 0) to rotate through: enough to cover 4x the L2 cache,
+    at most 8, so that no timed call finds its cache in L2."""
     gen = torch.Generator().manual_seed(0)
-    first = Inputs(case, gen, with_contiguous=peers)
-    one_copy = first.kv_cache.numel() * 2
-    copies = [first] + [
-        Inputs(case, gen, with_contiguous=peers)
-        for _ in range(min(8, math.ceil(4 * l2_bytes / one_copy)) - 1)
-    ]
+    first = Inputs(case, gen, with_contiguous)
+    n = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
+    return [first] + [Inputs(case, gen, with_contiguous) for _ in range(n - 1)]
+
+
+def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
+    copies = input_copies(case, l2_bytes, with_contiguous=peers)
+    first = copies[0]
     nbytes, flops = case_cost(case, first)
     floor = max(nbytes / ceil["copy_bw_Bps"], flops / ceil["bf16_matmul_flops"])
     ref = reference(first, case)

@@ -72,6 +72,17 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 BLOCK_N = 64
 
 
+@gluon.constexpr_function
+def _copy_layouts(num_warps, kv_fp8):
+    """Register layouts of ``num_warps`` warps for tile rows: ``io`` (16-bit values, 8 per
+    thread and row: 16 bytes), ``conv`` (float8 conversion: 16 bytes per thread and row, 8 threads
+    across a 128-byte chunk) and ``gather`` (kv_c rows copied 16 bytes per thread: ``conv`` for a
+    float8 kv_c, else ``io``)."""
+    io = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    conv = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    return io, conv, conv if kv_fp8 else io
+
+
 @gluon.jit
 def _store_partial_t(
     O_PART, LSE_PART, out_t, lse, b64, s_idx, h_idx, split, offs_l, row_ok,
@@ -190,6 +201,27 @@ def _copy_tile(
 
 
 @gluon.jit
+def _hand_back(
+    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles, next_start,
+    next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, GATHER: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, CHUNK: gl.constexpr, PRODUCER: gl.constexpr, kv_layout: gl.constexpr,
+    pe_layout: gl.constexpr,
+):  # fmt: skip
+    """The math warps are done with ring slot ``slot`` (tile ``i``): hand it to the producer
+    partition, or without one start the tile ``NUM_STAGES`` ahead (at ``next_start``, located at
+    ``next_where``) into it themselves."""
+    if PRODUCER:
+        mbarrier.arrive(free.index(slot), count=1)
+    elif i + NUM_STAGES < n_tiles:
+        _copy_tile(
+            KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
+            stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
+            CHUNK, kv_layout, pe_layout,
+        )  # fmt: skip
+
+
+@gluon.jit
 def _convert_tile(
     src, dst, tile_start, end, BLOCK_N: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
     layout: gl.constexpr,
@@ -287,12 +319,8 @@ def _produce_tiles(
     critical path.
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
-    WARPS: gl.constexpr = gl.num_warps()
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [WARPS, 1], [1, 0])
-    if KV_FP8:
-        gather_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [WARPS, 1], [1, 0])
-    else:
-        gather_layout: gl.constexpr = io_layout
+    io_layout: gl.constexpr = _copy_layouts(gl.num_warps(), KV_FP8)[0]
+    gather_layout: gl.constexpr = _copy_layouts(gl.num_warps(), KV_FP8)[2]
     n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
     for i in range(n_tiles):
         slot = i % NUM_STAGES
@@ -350,13 +378,9 @@ def _consume_tiles(
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
     )
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
-    conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-    if KV_FP8:
-        gather_layout: gl.constexpr = conv_layout
-    else:
-        gather_layout: gl.constexpr = io_layout
+    io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
+    conv_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
 
     # The query block into shared memory (rows past S_q * H are zeros).
     rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
@@ -404,6 +428,7 @@ def _consume_tiles(
         tile_start = start + i * BLOCK_N
         # The tile that refills this slot, located now (nothing past end counts as bad).
         next_start = tile_start + NUM_STAGES * BLOCK_N
+        next_where = 0  # unused with a producer partition
         if not PRODUCER:
             next_where, bad = _locate_tile(
                 BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
@@ -416,14 +441,12 @@ def _consume_tiles(
         )  # fmt: skip
         # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
         if KV_FP8:
-            if PRODUCER:
-                mbarrier.arrive(free.index(slot), count=1)
-            elif i + NUM_STAGES < n_tiles:
-                _copy_tile(
-                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start,
-                    next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
-                    HAS_PE, GATHER, L, R, CHUNK, gather_layout, io_layout,
-                )  # fmt: skip
+            _hand_back(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
+                next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
+                PAGE_SIZE, NUM_STAGES, HAS_PE, GATHER, L, R, CHUNK, PRODUCER, gather_layout,
+                io_layout,
+            )  # fmt: skip
         p_t, m_i, l_i, alpha = _online_softmax(
             s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
         )
@@ -433,16 +456,14 @@ def _consume_tiles(
         v_tile = stage if KV_FP8 else kv_ring.index(slot)
         o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
         o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
-        # The slot is free again: start the tile NUM_STAGES ahead into it.
+        # The slot is free again.
         if not KV_FP8:
-            if PRODUCER:
-                mbarrier.arrive(free.index(slot), count=1)
-            elif i + NUM_STAGES < n_tiles:
-                _copy_tile(
-                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start,
-                    next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
-                    HAS_PE, GATHER, L, R, CHUNK, gather_layout, io_layout,
-                )  # fmt: skip
+            _hand_back(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
+                next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
+                PAGE_SIZE, NUM_STAGES, HAS_PE, GATHER, L, R, CHUNK, PRODUCER, gather_layout,
+                io_layout,
+            )  # fmt: skip
     return o_t, m_i, l_i, n_bad
 
 
@@ -503,14 +524,8 @@ def _mla_decode_wgmma_kernel(
         dtype: gl.constexpr = gl.float16
     else:
         dtype: gl.constexpr = q_dtype
-    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    # float8 conversion: 16 bytes per thread and row, 8 threads across a 128-byte chunk.
-    conv_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-    # Gathered kv_c rows: 16 bytes per thread and copy.
-    if KV_FP8:
-        gather_layout: gl.constexpr = conv_layout
-    else:
-        gather_layout: gl.constexpr = io_layout
+    io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 

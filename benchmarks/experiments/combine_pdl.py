@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -42,10 +41,8 @@ def main() -> None:
     rows = []
     for name in args.cases.split(","):
         case = bd.CASES[name]
-        gen = torch.Generator().manual_seed(0)
-        first = bd.Inputs(case, gen, with_contiguous=False)
-        n_copies = min(8, math.ceil(4 * props.L2_cache_size / (first.kv_cache.numel() * 2)))
-        copies = [first] + [bd.Inputs(case, gen, False) for _ in range(n_copies - 1)]
+        copies = bd.input_copies(case, props.L2_cache_size)
+        first = copies[0]
         floor = bd.floor_seconds(case, dict(ceil))
         plan = bd.planned(case, first)
         outs = {}
