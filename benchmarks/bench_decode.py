@@ -299,6 +299,17 @@ def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> li
     return [first] + [Inputs(case, gen, with_contiguous) for _ in range(n - 1)]
 
 
+def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **extra) -> None:
+    """An experiment's rows as ``out/name.json``, with the device, versions and ceilings."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    report = dict(
+        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+        ceilings=ceil, **extra, rows=rows,
+    )  # fmt: skip
+    (folder / f"{name}.json").write_text(json.dumps(report))
+
+
 def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
     copies = input_copies(case, l2_bytes, with_contiguous=peers)
     first = copies[0]

@@ -4,8 +4,10 @@
 with ``triton_kernels.has_pdl`` answering True (the shipped behaviour on Hopper: the decode
 kernels trigger their dependents, the combine is launched with ``launch_pdl`` and waits on the
 device) and False (an ordinary launch after the decode). Also the decode alone, so the combine's
-cost in the call is ``total - decode``, beside the combine timed alone in its own graph (what
-``bench_decode.py`` reports as the combine's share). Outputs of the two launches must be equal.
+cost in the call is ``total - decode`` (the decode without zeros for empty splits, as
+``mla_decode`` runs it), beside the combine timed alone in its own graph (what
+``bench_decode.py`` reported as the combine's share before NOTES.md item 27). The two launches'
+outputs are compared (the ``equal`` column).
 
     python benchmarks/experiments/combine_pdl.py --cases a,b,c,d,e,f,g --out $OUT
 """
@@ -13,7 +15,6 @@ cost in the call is ``total - decode``, beside the combine timed alone in its ow
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -83,11 +84,7 @@ def main() -> None:
         rows[-1]["equal_to_no_pdl"] = rows[-2]["equal_to_no_pdl"] = same
         del copies, first
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = dict(device=props.name, torch=torch.__version__, triton=bd.triton.__version__)
-    report.update(ceilings=ceil, lone_graph_us=lone_graph_us, rows=rows)
-    (out / "combine_pdl.json").write_text(json.dumps(report))
+    bd.save_experiment(args.out, "combine_pdl", ceil, rows, lone_graph_us=lone_graph_us)
     print(f"\n{props.name}; torch {torch.__version__}, triton {bd.triton.__version__}; {ceil}")
     print(f"graph of one trivial kernel: {lone_graph_us:.1f} us")
     print(

@@ -18,7 +18,6 @@ written, with a substitution that skipped them; NOTES.md item 26.)
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -107,10 +106,7 @@ def main() -> None:
                 print(row, flush=True)
         del copies, first
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = dict(device=props.name, torch=torch.__version__, triton=bd.triton.__version__)
-    (out / "headroom_cost.json").write_text(json.dumps(dict(report, ceilings=ceil, rows=rows)))
+    bd.save_experiment(args.out, "headroom_cost", ceil, rows)
     print(f"\n{props.name}; {ceil}")
     print(f"{'case':5}{'variant':24}{'splits':>9}{'us':>9}{'roofline':>9}{'err':>9}")
     for r in rows:

@@ -14,7 +14,6 @@ decode alone; checks that every variant's partials are bit-identical to the no-p
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -103,10 +102,7 @@ def main() -> None:
                 print(row, flush=True)
         del copies, first
         torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = dict(device=props.name, torch=torch.__version__, triton=bd.triton.__version__)
-    (out / "producer_warps.json").write_text(json.dumps(dict(report, ceilings=ceil, rows=rows)))
+    bd.save_experiment(args.out, "producer_warps", ceil, rows)
     print(f"\n{props.name}; torch {torch.__version__}, triton {bd.triton.__version__}; {ceil}")
     print(f"{'case':5}{'producer':>9}{'combine':>8}{'splits':>9}{'us':>9}{'roofline':>9}  check")
     for r in rows:
