@@ -101,6 +101,7 @@ def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
+    rows_on_m: bool | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -111,6 +112,8 @@ def compile_wgmma(
     from mla_ops import wgmma_decode as wd
 
     kernel = wd._mla_decode_wgmma_kernel
+    if rows_on_m is None:
+        rows_on_m = wd.default_rows_on_m(rows, warps, kv_dtype == "fp8e4nv")
     params = list(inspect.signature(kernel.fn).parameters)
     gl_dtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     const = dict(
@@ -123,6 +126,7 @@ def compile_wgmma(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
         ),
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
+        ROWS_ON_M=rows_on_m,
         num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1,
     )  # fmt: skip
     if gather:
@@ -211,6 +215,10 @@ def main() -> None:
     p.add_argument(
         "--producer-warps", type=int, default=None, help="wgmma: producer partition (0: none)"
     )
+    p.add_argument(
+        "--rows-on-m", type=int, choices=[0, 1], default=None,
+        help="wgmma: query rows on the MMA's M side (default: default_rows_on_m)",
+    )  # fmt: skip
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     if args.wgmma:
@@ -219,11 +227,13 @@ def main() -> None:
             rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps,
             kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
             producer_warps=args.producer_warps,
+            rows_on_m=None if args.rows_on_m is None else bool(args.rows_on_m),
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
             f"kv {args.kv_dtype or args.dtype} page size {args.page_size} producer warps "
-            f"{args.producer_warps if args.producer_warps is not None else 'default'}: "
+            f"{args.producer_warps if args.producer_warps is not None else 'default'} rows on M "
+            f"{args.rows_on_m if args.rows_on_m is not None else 'default'}: "
             f"{resources(compiled)}"
         )
         if args.dump:

@@ -585,8 +585,10 @@ def wgmma_tiling(query_rows: int) -> tuple[int, int]:
 
     Rows per program as the Triton kernel (``planner.rows_per_program``: 16, 32 or 64, the wgmma's
     N). 16-row programs are one warpgroup (O^T is 64 float32 registers per thread); 32 and 64 rows
-    take two warpgroups, which split the scores' rows and O^T's latent columns, so O^T stays at
-    64 or 128 registers per thread (offline sm_90 compile: 165 / 241 registers, no spills).
+    take two warpgroups, which split the scores' rows (64 rows over a 16-bit cache: tokens, with
+    the rows on M, ``wgmma_decode.default_rows_on_m``) and the output's latent columns, so the
+    output stays at 64 or 128 registers per thread (offline sm_90 compile: 165 / 254 registers,
+    no spills).
     """
     block_m = rows_per_program(query_rows)
     return block_m, 4 if block_m <= 16 else 8
@@ -821,6 +823,8 @@ def decode(
         stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
         producer_warps = wgmma_decode.default_producer_warps(num_warps, loads == "gather")
         LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
+        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
+        LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
         with torch.cuda.device(q.device):
             LAST_LAUNCH["decode"] = wgmma_decode.launch(
                 q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
@@ -828,6 +832,7 @@ def decode(
                 num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
                 granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
                 gather=loads == "gather", fill_empty=fill_empty, producer_warps=producer_warps,
+                rows_on_m=rows_on_m,
             )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)

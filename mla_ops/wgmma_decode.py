@@ -19,6 +19,11 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   are an N=16 ``wgmma``.
 * per thread: ``O^T`` is ``L x BLOCK_M / 128`` float32 registers (64 for 16 rows), the scores
   ``BLOCK_N x BLOCK_M / 128`` (8); the query lives in shared memory, not registers.
+* 64-row programs of a 16-bit cache (DeepSeek's 128 heads) put the rows back on M
+  (``_consume_rows_on_m``: ``S = Q K^T``, ``O = P V``, both warpgroups splitting the tile's tokens
+  in the scores and the latent columns in the output): with 64 rows the M=64 side is full either
+  way, and a row's softmax reductions then stay within a warp quad instead of crossing the four
+  warps a transposed tile's tokens lie over (benchmarks/NOTES.md items 24 and 28).
 * KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA (or
   ``cp.async`` gathers) and tracked by mbarriers, so the loads run ahead of the math without any
   warp waiting on them. In 16-row programs a producer partition of its own (warp specialisation:
@@ -236,26 +241,49 @@ def _convert_tile(
 
 
 @gluon.jit
-def _tile_scores(
-    kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
-    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr,
-    L: gl.constexpr, CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
+def _await_tile(
+    kv_ring, ready, pos, tile_start, end, NUM_STAGES: gl.constexpr, GATHER: gl.constexpr,
+    ZERO_STALE: gl.constexpr, io_layout: gl.constexpr,
 ):  # fmt: skip
-    """Wait for the tile at ring position ``pos``; its scores ``S^T = K Q^T`` (complete).
+    """Wait for the tile at ring position ``pos`` and return its ``kv_c`` slot.
 
-    The split's last tile may run past ``end`` into stale rows (maybe NaN): a copy-engine tile
-    has them zeroed in shared memory first (a gathered one was zero-filled), so ``p = 0`` times
-    them stays 0. A float8 tile is converted into
-    ``stage`` (zeroing those rows on the way) and the scores read it there; its nope scores
-    take ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
-    part's, so the fp16 query needs no rounding.
+    The split's last tile may run past ``end`` into stale rows (maybe NaN). ``ZERO_STALE``: a
+    copy-engine tile has them zeroed in shared memory (a gathered one was zero-filled), so that
+    ``p = 0`` times them stays 0 in P.V.
     """
-    BLOCK_N: gl.constexpr = s_zero.shape[0]
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
     slot = pos % NUM_STAGES
     mbarrier.wait(ready.index(slot), (pos // NUM_STAGES) & 1)
     if GATHER:
         # cp.async wrote the tile through the generic proxy; wgmma reads through the async one.
         fence_async_shared()
+    kv = kv_ring.index(slot)
+    if ZERO_STALE and not GATHER and tile_start + BLOCK_N > end:
+        offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        tile = kv.load(io_layout)
+        kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+        fence_async_shared()
+    return kv
+
+
+@gluon.jit
+def _tile_scores(
+    kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr,
+    L: gl.constexpr, CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
+):  # fmt: skip
+    """Wait for the tile at ring position ``pos`` (``_await_tile``); its scores ``S^T = K Q^T``
+    (complete).
+
+    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) and the
+    scores read it there; its nope scores take ``nope_scale`` (kv_scale and the query's power of
+    two) in float32, apart from the RoPE part's, so the fp16 query needs no rounding.
+    """
+    BLOCK_N: gl.constexpr = s_zero.shape[0]
+    slot = pos % NUM_STAGES
+    kv = _await_tile(
+        kv_ring, ready, pos, tile_start, end, NUM_STAGES, GATHER, not KV_FP8, io_layout
+    )
     q_t = q_smem.permute((1, 0))
     if KV_FP8:
         _convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, conv_layout)
@@ -272,12 +300,6 @@ def _tile_scores(
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s_t = s_t * nope_scale
     else:
-        kv = kv_ring.index(slot)
-        if not GATHER and tile_start + BLOCK_N > end:
-            offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-            tile = kv.load(io_layout)
-            kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
-            fence_async_shared()
         s_t = warpgroup_mma(kv, q_t, s_zero, use_acc=False, is_async=True)
         if HAS_PE:
             s_t = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s_t, is_async=True)
@@ -286,20 +308,68 @@ def _tile_scores(
 
 
 @gluon.jit
-def _online_softmax(s_t, m_i, l_i, offs_n, end, last_key, scale_log2):
-    """One tile's step of the online softmax in the exp2 domain, on transposed scores.
+def _stage_query(
+    Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, kv_scale,
+    S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    BLOCK_M: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, io_layout: gl.constexpr,
+):  # fmt: skip
+    """The query block (rows ``row_block * BLOCK_M ...`` of heads x S_q; rows past ``S_q * H``
+    are zeros) into shared memory: nope part ``q_smem [BLOCK_M, L]``, RoPE part ``qpe_smem``.
+    Returns the nope scores' scale (``kv_scale``, times the power of two below for a float8
+    cache)."""
+    dtype: gl.constexpr = q_smem.dtype
+    rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
+    q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
+    row_ok_io = rows_io < S_Q * H
+    offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
+    q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
+    nope_scale = kv_scale
+    if KV_FP8:
+        # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
+        # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
+        # scores take it back with kv_scale, in float32 (_tile_scores).
+        q32 = q_nope.to(gl.float32)
+        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
+        q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
+        nope_scale = kv_scale * gl.exp2(q_shift)
+    else:
+        q_smem.store(q_nope)
+    if HAS_PE:
+        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
+        q_pe = gl.load(
+            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
+        )
+        qpe_smem.store(q_pe)
+    fence_async_shared()
+    return nope_scale
 
-    s_t: ``[BLOCK_N, BLOCK_M]`` raw scores of the tokens at ``offs_n``; returns ``P^T``, the new
-    running max and sum, and ``alpha``, the factor that rescales the output accumulated so far.
+
+@gluon.jit
+def _online_softmax(s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0):
+    """One tile's step of the online softmax in the exp2 domain.
+
+    s: raw scores of the tokens at ``offs_n`` along axis ``TOKENS`` (0: ``S^T [BLOCK_N,
+    BLOCK_M]``; 1: ``S [BLOCK_M, BLOCK_N]``). l_i: the running sum ``[BLOCK_M]``, or partial sums
+    shaped like ``s`` whose total along ``TOKENS`` is the running sum (when a row's tokens lie
+    across warpgroups, this leaves the cross-warpgroup sum to the end). Returns ``P`` (or
+    ``P^T``), the new running max and sum, and ``alpha``, the factor that rescales the output
+    accumulated so far.
     """
-    visible = (offs_n < end)[:, None] & (offs_n[:, None] <= last_key[None, :])
-    s_t = gl.where(visible, s_t * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s_t, 0))
+    ROWS: gl.constexpr = 1 - TOKENS
+    keys = gl.expand_dims(offs_n, ROWS)
+    visible = (keys < end) & (keys <= gl.expand_dims(last_key, TOKENS))
+    s = gl.where(visible, s * scale_log2, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, TOKENS))
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_shift)
-    p_t = gl.exp2(s_t - m_shift[None, :])
-    return p_t, m_new, l_i * alpha + gl.sum(p_t, 0), alpha
+    p = gl.exp2(s - gl.expand_dims(m_shift, TOKENS))
+    if len(l_i.shape) == 1:
+        l_new = l_i * alpha + gl.sum(p, TOKENS)
+    else:
+        l_new = l_i * gl.expand_dims(alpha, TOKENS) + p
+    return p, m_new, l_new, alpha
 
 
 @gluon.jit
@@ -382,31 +452,10 @@ def _consume_tiles(
     conv_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
     gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
 
-    # The query block into shared memory (rows past S_q * H are zeros).
-    rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
-    q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
-    row_ok_io = rows_io < S_Q * H
-    offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
-    q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
-    nope_scale = kv_scale
-    if KV_FP8:
-        # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
-        # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
-        # scores take it back with kv_scale, in float32 (_tile_scores).
-        q32 = q_nope.to(gl.float32)
-        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
-        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
-        q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
-        nope_scale = kv_scale * gl.exp2(q_shift)
-    else:
-        q_smem.store(q_nope)
-    if HAS_PE:
-        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
-        q_pe = gl.load(
-            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
-        )
-        qpe_smem.store(q_pe)
-    fence_async_shared()
+    nope_scale = _stage_query(
+        Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd,
+        kv_scale, S_Q, H, L, R, BLOCK_M, HAS_PE, KV_FP8, io_layout,
+    )  # fmt: skip
 
     # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
     rows_s = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
@@ -468,6 +517,90 @@ def _consume_tiles(
 
 
 @gluon.jit
+def _consume_rows_on_m(
+    Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, p_smem, ready,
+    free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
+    stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep,
+    stride_pet, scale_log2, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr,
+):  # fmt: skip
+    """The loop of a 64-row program with the query rows on the MMA's M side (16-bit cache, two
+    warpgroups, no producer partition): ``S [64, BLOCK_N] = Q K^T``, ``O [64, L] += P V``.
+
+    The two warpgroups split the scores' tokens (``S`` is 64 x 32 per warpgroup) and the output's
+    latent columns (``O`` is 64 x L/2: 128 float32 registers per thread at L = 512), so no
+    product is computed twice. The row max crosses the warpgroups once per tile (a reduction
+    through shared memory); the row sums stay per thread until the end. ``P`` goes through shared
+    memory because each warpgroup's P.V needs both halves. Unlike the transposed loop
+    (``_consume_tiles``), a row's softmax reductions stay inside a warp quad and its
+    warpgroup. Returns ``O^T`` (as ``_consume_tiles``), the running max and sum, and ``n_bad``.
+    """
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    num_warps: gl.constexpr = gl.num_warps()
+    dtype: gl.constexpr = q_smem.dtype
+    WG: gl.constexpr = num_warps // 4
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_N // WG, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, L // WG, 16]
+    )
+    io_layout: gl.constexpr = _copy_layouts(num_warps, False)[0]
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, False)[2]
+    _stage_query(
+        Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, 1.0,
+        S_Q, H, L, R, BLOCK_M, HAS_PE, False, io_layout,
+    )  # fmt: skip
+
+    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    if CAUSAL:
+        last_key = seqlen - S_Q + rows // H
+    else:
+        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(1, s_layout)) + seqlen - 1
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_part = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    o = gl.zeros([BLOCK_M, L], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        # The tile that refills this slot, located now (nothing past end counts as bad).
+        next_start = tile_start + NUM_STAGES * BLOCK_N
+        next_where, bad = _locate_tile(
+            BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
+        )  # fmt: skip
+        n_bad += bad
+        kv = _await_tile(kv_ring, ready, i, tile_start, end, NUM_STAGES, GATHER, True, io_layout)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
+            s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        p, m_i, l_part, alpha = _online_softmax(
+            s, m_i, l_part, tile_start + offs_tile, end, last_key, scale_log2, 1
+        )
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p_smem.store(p.to(dtype))
+        fence_async_shared()
+        o = warpgroup_mma(p_smem, kv, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # The slot is free again.
+        _hand_back(
+            KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles, next_start,
+            next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, NUM_STAGES,
+            HAS_PE, GATHER, L, R, CHUNK, False, gather_layout, io_layout,
+        )  # fmt: skip
+    l_i = gl.sum(l_part, 1)
+    # O^T in the epilogue's layout: latent columns across a warp's lanes, then transposed.
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
+    o_t = gl.permute(gl.convert_layout(o, rows_layout), (1, 0))
+    return o_t, m_i, l_i, n_bad
+
+
+@gluon.jit
 def _mla_decode_wgmma_kernel(
     Q,  # [B, S_q, H, L+R]
     SEQLENS,  # [B] int32
@@ -510,6 +643,7 @@ def _mla_decode_wgmma_kernel(
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     PRODUCER_WARPS: gl.constexpr,  # warps of a producer partition that copies (0: none)
     PRODUCER_REGS: gl.constexpr,  # registers per thread of the producer partition
+    ROWS_ON_M: gl.constexpr,  # 64 rows, 16-bit cache: S = Q K^T, O = P V (_consume_rows_on_m)
     num_warps: gl.constexpr,
 ):  # fmt: skip
     # Programmatic dependent launch: the combine may launch now; it waits on the device for this
@@ -518,6 +652,10 @@ def _mla_decode_wgmma_kernel(
         "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
         is_pure=False, pack=1,
     )  # fmt: skip
+    # Rows on M: one M=64 wgmma row block split by 2 warpgroups, no float8 staging, no producer.
+    gl.static_assert(
+        not ROWS_ON_M or (BLOCK_M == 64 and num_warps == 8 and not KV_FP8 and PRODUCER_WARPS == 0)
+    )
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -604,9 +742,16 @@ def _mla_decode_wgmma_kernel(
     else:
         qpe_smem = q_smem
         pe_ring = kv_ring
-    p_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    )
+    if ROWS_ON_M:
+        p_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_M, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype),
+        )  # fmt: skip
+    else:
+        p_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, BLOCK_M],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype),
+        )  # fmt: skip
     # ready: a slot's tile has landed; free: the math warps are done with a slot.
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -672,13 +817,23 @@ def _mla_decode_wgmma_kernel(
                     where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE,
                     GATHER, L, R, CHUNK, gather_layout, io_layout,
                 )  # fmt: skip
-        o_t, m_i, l_i, n_bad = _consume_tiles(
-            Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, stage,
-            p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb,
-            stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
-            stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale, S_Q, H, L, R,
-            PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER, False,
-        )  # fmt: skip
+        if ROWS_ON_M:
+            o_t, m_i, l_i, n_bad = _consume_rows_on_m(
+                Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
+                p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
+                stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
+                MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, S_Q, H, L,
+                R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, CHUNK, GATHER,
+            )  # fmt: skip
+        else:
+            o_t, m_i, l_i, n_bad = _consume_tiles(
+                Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
+                stage, p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
+                stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
+                MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
+                S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK,
+                GATHER, False,
+            )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -728,6 +883,13 @@ def default_producer_warps(num_warps: int, gather: bool) -> int:
     return 4 if gather else 1
 
 
+def default_rows_on_m(block_m: int, num_warps: int, float8: bool) -> bool:
+    """Whether a program puts its query rows on the MMA's M side (``_consume_rows_on_m``):
+    64-row programs of two warpgroups over a 16-bit cache (a float8 cache keeps the transposed
+    loop, which converts each tile once for both products)."""
+    return block_m == 64 and num_warps == 8 and not float8
+
+
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
     """Gluon TMA descriptor of a paged ``[num_pages, page_size, W]`` cache as ``[tokens, W]``."""
     rows, width = t.shape[0] * t.shape[1], t.shape[2]
@@ -758,6 +920,7 @@ def launch(
     gather: bool = False,
     fill_empty: bool = True,
     producer_warps: int | None = None,
+    rows_on_m: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -765,9 +928,14 @@ def launch(
     (``triton_kernels.wgmma_loads`` says which a cache allows). fill_empty: an empty split writes
     its zero ``out`` (False: only its ``lse = -inf``). producer_warps: warps of a partition of
     their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
+    rows_on_m: the query rows on the MMA's M side (``_consume_rows_on_m``; None:
+    ``default_rows_on_m``).
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
+    float8 = kv_c.dtype == torch.float8_e4m3fn
+    if rows_on_m is None:
+        rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     if gather:
@@ -820,11 +988,12 @@ def launch(
         HAS_PE=rope_len > 0,
         BALANCED=total_splits is not None,
         BLOCK_B=lengths_per_step,
-        KV_FP8=kv_c.dtype == torch.float8_e4m3fn,
+        KV_FP8=float8,
         CHUNK=min(kv_len, CONVERT_CHUNK),
         GATHER=gather,
         FILL_EMPTY=fill_empty,
         PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=PRODUCER_REGS[bool(gather)],
+        ROWS_ON_M=rows_on_m,
         num_warps=num_warps,
     )

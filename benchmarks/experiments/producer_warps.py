@@ -25,7 +25,6 @@ import bench_decode as bd
 
 from mla_ops import triton_kernels as tk
 from mla_ops import wgmma_decode as wd
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 
 
 def main() -> None:
@@ -49,35 +48,15 @@ def main() -> None:
         floor = bd.floor_seconds(case, dict(ceil))
         plan = bd.planned(case, first)
         ns, ts = plan.num_splits, plan.total_splits
-        block_m, warps = tk.wgmma_tiling(case.heads * case.s_q)
-        smem = tk.shared_memory_optin(torch.device("cuda"))
-        stages = tk.wgmma_stages(block_m, 512, 64, case.fp8, smem)
+        warps = tk.wgmma_tiling(case.heads * case.s_q)[1]
         gather = case.page_size % 64 != 0
         variants = [0, None, *extra.get(name, [])]
         baseline = None
         for producer in variants:
             for with_combine in (True, False):
 
-                def make(inp, producer=producer, with_combine=with_combine, ns=ns, ts=ts,
-                         block_m=block_m, warps=warps, stages=stages, gather=gather):  # fmt: skip
-                    kv_c, k_pe = inp.decode_cache()
-                    b, s_q, h, _ = inp.q.shape
-                    o = torch.empty((b, s_q, h, ns, 512), device="cuda")
-                    lse = torch.empty((b, s_q, h, ns), device="cuda")
-
-                    def fn():
-                        wd.launch(
-                            inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, o, lse,
-                            bd.SCALE, inp.kv_scale, True, ns, ts, block_m=block_m,
-                            num_warps=warps, num_stages=stages, min_chunk=MIN_CHUNK,
-                            granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
-                            gather=gather, fill_empty=False, producer_warps=producer,
-                        )  # fmt: skip
-                        if not with_combine:
-                            return o, lse
-                        return torch.ops.mla.combine(o, lse, torch.bfloat16)[0]
-
-                    return fn
+                def make(inp, producer=producer, with_combine=with_combine, ns=ns, ts=ts):
+                    return bd.wgmma_call(inp, ns, ts, with_combine, producer_warps=producer)
 
                 fns = [make(inp) for inp in copies]
                 same = None

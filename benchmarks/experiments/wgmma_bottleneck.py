@@ -59,12 +59,13 @@ NO_LOAD = [
         "        tile_start = start + i * BLOCK_N\n        # Located before the wait",
     ),
 ]
+# (Both loops: the transposed one and the 64-row rows-on-M one, which passes TOKENS=1.)
 NO_SOFTMAX = [
-    ("p_t, m_i, l_i, alpha = _online_softmax(", "p_t, m_i, l_i, alpha = _raw_scores("),
+    (r"re:(\w+), m_i, (\w+), alpha = _online_softmax\(", r"\1, m_i, \2, alpha = _raw_scores("),
     (
         "@gluon.jit\ndef _online_softmax(",
-        "@gluon.jit\ndef _raw_scores(s_t, m_i, l_i, offs_n, end, last_key, scale_log2):\n"
-        "    return s_t, m_i, l_i, gl.full_like(m_i, 1.0)\n\n\n@gluon.jit\ndef _online_softmax(",
+        "@gluon.jit\ndef _raw_scores(s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS=0):\n"
+        "    return s, m_i, l_i, gl.full_like(m_i, 1.0)\n\n\n@gluon.jit\ndef _online_softmax(",
     ),
 ]
 # Every wgmma returns its accumulator untouched and every wait its dependencies (regex).

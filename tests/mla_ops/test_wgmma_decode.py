@@ -237,6 +237,53 @@ def test_producer_partition_matches_math_warps_copying(
 
 
 @requires_hopper
+@pytest.mark.parametrize("rows_on_m", [False, True])
+@pytest.mark.parametrize(
+    ("heads", "s_q", "page_size", "lengths"),
+    [(128, 1, 64, [0, 1, 64, 65, 700]), (128, 2, 1, [2, 130, 0]), (43, 3, 16, [3, 200, 64]),
+     (64, 1, 128, [4097, 63])],
+)  # fmt: skip
+def test_64_row_programs_either_orientation(
+    kernels, monkeypatch, rows_on_m: bool, heads: int, s_q: int, page_size: int, lengths: list[int]
+) -> None:
+    """64-row programs with the query rows on the MMA's M side (``S = Q K^T``, the default for a
+    16-bit cache) or transposed (``S^T = K Q^T``) match the float64 reference: empty, 1-token and
+    tile-edge lengths, causal S_q > 1, a partial last row block (43 heads x 3), copy-engine and
+    gathered tiles, several splits; a bad page id makes only its split's rows NaN."""
+    from mla_ops import wgmma_decode
+
+    monkeypatch.setattr(wgmma_decode, "default_rows_on_m", lambda *args: rows_on_m)
+    case = make_case(
+        29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
+        heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
+    )  # fmt: skip
+    out, lse = run(kernels, case)
+    assert kernels.LAST_LAUNCH["wgmma_rows_on_m"] is rows_on_m
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+    # A bad page id in the second sequence: its partials are NaN, the others' are unchanged.
+    case.block_table[1, 0] = 10**6
+    out_p, lse_p = kernels.decode(*case.op_args())
+    assert torch.isnan(lse_p[1, ..., 0]).all()
+    assert torch.isnan(lse_p).sum() == s_q * heads
+    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
+    keep = [b for b in range(len(lengths)) if b != 1]
+    assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
+
+
+def test_rows_on_m_default() -> None:
+    """The rows go on the MMA's M side exactly for 64-row programs of two warpgroups over a 16-bit
+    cache (a float8 cache keeps the transposed loop and its single conversion per tile)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mla_ops import wgmma_decode
+
+    assert wgmma_decode.default_rows_on_m(64, 8, float8=False)
+    assert not wgmma_decode.default_rows_on_m(64, 8, float8=True)
+    assert not wgmma_decode.default_rows_on_m(32, 8, float8=False)
+    assert not wgmma_decode.default_rows_on_m(16, 4, float8=False)
+
+
+@requires_hopper
 def test_config_can_turn_wgmma_off(kernels) -> None:
     case = make_case(
         5, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1
@@ -347,18 +394,19 @@ def test_no_wgmma_off_hopper() -> None:
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "stages", "kv_dtype", "page_size"),
-    [(16, 2, None, 64), (64, 2, None, 64), (16, 3, "fp8e4nv", 64), (16, 2, None, 1),
-     (64, 2, "fp8e4nv", 16)],
+    ("rows", "stages", "kv_dtype", "page_size", "rows_on_m"),
+    [(16, 2, None, 64, None), (64, 2, None, 64, None), (64, 2, None, 64, False),
+     (64, 2, None, 1, None), (16, 3, "fp8e4nv", 64, None), (16, 2, None, 1, None),
+     (64, 2, "fp8e4nv", 16, None)],
 )  # fmt: skip
 def test_compiles_to_wgmma_for_sm90(
-    rows: int, stages: int, kv_dtype: str | None, page_size: int
+    rows: int, stages: int, kv_dtype: str | None, page_size: int, rows_on_m: bool | None
 ) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
     (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
     most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
-    SM. Over a float8 cache at 16 rows, the three ring slots ``wgmma_stages`` picks, and the
-    conversion by ``cvt.rn.f16x2.e4m3x2``."""
+    SM; 64 rows with the query rows on either MMA side. Over a float8 cache at 16 rows, the three
+    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``."""
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
@@ -366,7 +414,7 @@ def test_compiles_to_wgmma_for_sm90(
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
-        f"page_size={page_size}, gather={gather}); "
+        f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}); "
         "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); print(r)"
     )
     # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
