@@ -333,6 +333,22 @@ def wgmma_call(inp: Inputs, num_splits: int, total_splits: int | None, with_comb
     return fn
 
 
+def case_counts(text: str) -> dict[str, list[int]]:
+    """An experiment's ``case:n,case:n,...`` option as ``{case: [n, ...]}``."""
+    counts: dict[str, list[int]] = {}
+    for item in filter(None, text.split(",")):
+        name, n = item.split(":")
+        counts.setdefault(name, []).append(int(n))
+    return counts
+
+
+def time_call(fns, ref: torch.Tensor | None = None) -> tuple[float, float]:
+    """Seconds per call of ``fns`` (one closure per rotated input copy; graph replays, median)
+    and, with ``ref``, the first closure's output's error against it (else NaN)."""
+    err = rel_err(fns[0](), ref) if ref is not None else float("nan")
+    return time_rotating([graphed(f) for f in fns], warmup=10, rep=100), err
+
+
 def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **extra) -> None:
     """An experiment's rows as ``out/name.json``, with the device, versions and ceilings."""
     folder = Path(out)

@@ -346,6 +346,22 @@ def _stage_query(
 
 
 @gluon.jit
+def _row_start(
+    row_block, seqlen, S_Q: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+    CAUSAL: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    """Each query row's last visible key (causal: row s of S_q sees keys ``[0, seqlen - S_q +
+    s]``; otherwise all of ``[0, seqlen)``) and its running max before the first tile (-inf), as
+    ``[BLOCK_M]`` vectors in ``layout``."""
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    if CAUSAL:
+        last_key = seqlen - S_Q + rows // H
+    else:
+        last_key = gl.zeros([BLOCK_M], gl.int32, layout=layout) + seqlen - 1
+    return last_key, gl.full([BLOCK_M], float("-inf"), gl.float32, layout=layout)
+
+
+@gluon.jit
 def _online_softmax(s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0):
     """One tile's step of the online softmax in the exp2 domain.
 
@@ -457,13 +473,9 @@ def _consume_tiles(
         kv_scale, S_Q, H, L, R, BLOCK_M, HAS_PE, KV_FP8, io_layout,
     )  # fmt: skip
 
-    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
-    rows_s = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-    if CAUSAL:
-        last_key = seqlen - S_Q + rows_s // H
-    else:
-        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(0, s_layout)) + seqlen - 1
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, s_layout))
+    last_key, m_i = _row_start(
+        row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(0, s_layout)
+    )
     l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
     o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -553,13 +565,9 @@ def _consume_rows_on_m(
         S_Q, H, L, R, BLOCK_M, HAS_PE, False, io_layout,
     )  # fmt: skip
 
-    # Causal: query row s sees keys [0, seqlen - S_q + s]; otherwise all of [0, end).
-    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    if CAUSAL:
-        last_key = seqlen - S_Q + rows // H
-    else:
-        last_key = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(1, s_layout)) + seqlen - 1
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    last_key, m_i = _row_start(
+        row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(1, s_layout)
+    )
     l_part = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     o = gl.zeros([BLOCK_M, L], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)

@@ -33,10 +33,7 @@ def main() -> None:
     ap.add_argument("--warps", default="", help="extra producer warp counts, case:n,...")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    extra: dict[str, list[int]] = {}
-    for item in filter(None, args.warps.split(",")):
-        name, n = item.split(":")
-        extra.setdefault(name, []).append(int(n))
+    extra = bd.case_counts(args.warps)
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []

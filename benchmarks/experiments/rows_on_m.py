@@ -27,10 +27,7 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="extra split counts (even plans), case:n,...")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    extra: dict[str, list[int]] = {}
-    for item in filter(None, args.splits.split(",")):
-        name, n = item.split(":")
-        extra.setdefault(name, []).append(int(n))
+    extra = bd.case_counts(args.splits)
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
@@ -46,10 +43,10 @@ def main() -> None:
             for rows_on_m in (False, True):
                 for with_combine in (True, False):
                     fns = [
-                        bd.wgmma_call(i, ns, ts, with_combine, rows_on_m=rows_on_m) for i in copies
+                        bd.wgmma_call(inp, ns, ts, with_combine, rows_on_m=rows_on_m)
+                        for inp in copies
                     ]
-                    err = bd.rel_err(fns[0](), ref) if with_combine else float("nan")
-                    t = bd.time_rotating([bd.graphed(f) for f in fns], warmup=10, rep=100)
+                    t, err = bd.time_call(fns, ref if with_combine else None)
                     row = dict(
                         case=name, rows_on_m=rows_on_m, combine=with_combine, num_splits=ns,
                         total_splits=ts, planner=(ns, ts) == plans[0], us=t * 1e6,
