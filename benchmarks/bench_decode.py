@@ -299,12 +299,15 @@ def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> li
     return [first] + [Inputs(case, gen, with_contiguous) for _ in range(n - 1)]
 
 
-def wgmma_call(inp: Inputs, num_splits: int, total_splits: int | None, with_combine: bool = True,
-               **launch_kw):  # fmt: skip
-    """A closure launching the wgmma kernel directly (``wgmma_decode.launch``) on ``inp`` with the
-    op's tiling, ``fill_empty=False`` and ``launch_kw`` (the variant under test); it returns the
-    combined output, or the partials ``(out, lse)`` without the combine. For the experiments'
-    A/B runs: the op itself would always take the shipped defaults."""
+def wgmma_call(
+    inp: Inputs, num_splits: int, total_splits: int | None, with_combine: bool = True,
+    module=None, **launch_kw,
+):  # fmt: skip
+    """A closure launching the wgmma kernel directly (``module.launch``; default
+    ``mla_ops.wgmma_decode``, or a variant built from its source) on ``inp``, with the op's
+    tiling and ``fill_empty=False`` unless ``launch_kw`` (the variant under test) says otherwise;
+    it returns the combined output, or the partials ``(out, lse)`` without the combine. For the
+    experiments' A/B runs: the op itself would always take the shipped defaults."""
     from mla_ops import triton_kernels as tk
     from mla_ops import wgmma_decode as wd
     from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
@@ -314,17 +317,21 @@ def wgmma_call(inp: Inputs, num_splits: int, total_splits: int | None, with_comb
     block_m, warps = tk.wgmma_tiling(s_q * h)
     float8 = kv_c.dtype == torch.float8_e4m3fn
     smem = tk.shared_memory_optin(inp.q.device)
-    stages = tk.wgmma_stages(block_m, kv_c.shape[-1], k_pe.shape[-1], float8, smem)
+    kw = dict(
+        block_m=block_m, num_warps=warps,
+        num_stages=tk.wgmma_stages(block_m, kv_c.shape[-1], k_pe.shape[-1], float8, smem),
+        min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
+        gather=kv_c.shape[1] % wd.BLOCK_N != 0, fill_empty=False,
+    )  # fmt: skip
+    kw.update(launch_kw)
+    launch = (module or wd).launch
     out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), device=inp.q.device)
     lse = torch.empty((b, s_q, h, num_splits), device=inp.q.device)
 
     def fn():
-        wd.launch(
+        launch(
             inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse, SCALE,
-            inp.kv_scale, True, num_splits, total_splits, block_m=block_m, num_warps=warps,
-            num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
-            lengths_per_step=tk.LENGTHS_PER_STEP, gather=kv_c.shape[1] % wd.BLOCK_N != 0,
-            fill_empty=False, **launch_kw,
+            inp.kv_scale, True, num_splits, total_splits, **kw,
         )  # fmt: skip
         if not with_combine:
             return out, lse

@@ -30,9 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_decode as bd
 import wgmma_bottleneck as wb
 
-from mla_ops import triton_kernels as tk
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
-
 SPLIT_FASTEST = [
     (
         "    split = pid // (batch * num_row_blocks)\n"
@@ -61,9 +58,6 @@ def main() -> None:
         ref = bd.reference(first, case)
         floor = bd.floor_seconds(case, dict(ceil))
         plan = bd.planned(case, first)
-        block_m, warps = tk.wgmma_tiling(case.heads * case.s_q)
-        smem = tk.shared_memory_optin(torch.device("cuda"))
-        stages = tk.wgmma_stages(block_m, 512, 64, case.fp8, smem)
         for ns, ts in [(plan.num_splits, plan.total_splits), (1, None)]:
             runs = [(f"{v}{'' if fill else '_no_fill'}", m, fill) for v, m in modules.items()
                     for fill in (True, False)]  # fmt: skip
@@ -73,27 +67,8 @@ def main() -> None:
                     continue
                 with_combine = not variant.startswith("decode_only")
 
-                def make(inp, module=module, ns=ns, ts=ts, block_m=block_m, warps=warps,
-                         stages=stages, gather=case.page_size % 64 != 0,
-                         with_combine=with_combine, fill=fill):  # fmt: skip
-                    kv_c, k_pe = inp.decode_cache()
-                    b, s_q, h, _ = inp.q.shape
-                    o = torch.empty((b, s_q, h, ns, 512), device="cuda")
-                    lse = torch.empty((b, s_q, h, ns), device="cuda")
-
-                    def fn():
-                        module.launch(
-                            inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, o, lse,
-                            bd.SCALE, inp.kv_scale, True, ns, ts, block_m=block_m,
-                            num_warps=warps, num_stages=stages, min_chunk=MIN_CHUNK,
-                            granule=SPLIT_GRANULE, lengths_per_step=128,
-                            gather=gather, fill_empty=fill,
-                        )  # fmt: skip
-                        if not with_combine:
-                            return o
-                        return torch.ops.mla.combine(o, lse, torch.bfloat16)[0]
-
-                    return fn
+                def make(inp, module=module, ns=ns, ts=ts, with_combine=with_combine, fill=fill):
+                    return bd.wgmma_call(inp, ns, ts, with_combine, module, fill_empty=fill)
 
                 fns = [make(inp) for inp in copies]
                 err = bd.rel_err(fns[0](), ref) if with_combine else float("nan")

@@ -158,21 +158,8 @@ def timing(case: bd.Case, l2_bytes: int, configs, split_counts) -> list[dict]:
         for cfg in configs:
 
             def wg_fn(inp, ns=num_splits, ts=total_splits, cfg=cfg):
-                kv_c, k_pe = inp.decode_cache()
-                b, s_q, h, _ = inp.q.shape
-                out = torch.empty((b, s_q, h, ns, 512), device="cuda")
-                lse = torch.empty((b, s_q, h, ns), device="cuda")
-
-                def fn():
-                    wd.launch(
-                        inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse,
-                        bd.SCALE, inp.kv_scale, True, ns, ts, min_chunk=MIN_CHUNK,
-                        granule=SPLIT_GRANULE, lengths_per_step=128,
-                        gather=kv_c.shape[1] % wd.BLOCK_N != 0, **cfg,
-                    )  # fmt: skip
-                    return torch.ops.mla.combine(out, lse, torch.bfloat16)[0]
-
-                return fn
+                # fill_empty=True: this experiment predates mla_decode's fill_empty=False.
+                return bd.wgmma_call(inp, ns, ts, fill_empty=True, **cfg)
 
             variants.append(("wgmma", cfg, wg_fn))
         for name, cfg, make in variants:

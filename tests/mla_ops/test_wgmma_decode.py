@@ -415,7 +415,8 @@ def test_compiles_to_wgmma_for_sm90(
         "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
         f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}); "
-        "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); print(r)"
+        "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); "
+        "r['m64n256'] = k.asm['ptx'].count('m64n256k16'); print(r)"
     )
     # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -439,5 +440,9 @@ def test_compiles_to_wgmma_for_sm90(
     bound = triton_kernels.wgmma_shared_memory(block_m, 512, 64, stages, float8)
     assert res["shared_bytes"] <= bound, res
     assert (res["cvt_e4m3"] > 0) == float8, res
+    # Rows on M (64 rows, 16-bit cache, unless turned off): P.V is one m64n256k16 chain per
+    # warpgroup; the transposed loop's P.V has N = BLOCK_M.
+    on_m = rows == 64 and not float8 and rows_on_m is not False
+    assert (res["m64n256"] > 0) == on_m, res
     if float8:
         assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
