@@ -409,8 +409,14 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     # Split into decode and combine: the combine's share of the total is what it adds to the
     # call, mla_decode minus its decode alone (the same plan, no zeros for empty splits, graph
     # replays of the same rotated inputs). The combine timed alone in a graph of its own is
-    # reported too; that figure carries a lone graph's launch (NOTES.md item 27).
+    # reported too; that figure carries a lone graph's launch (NOTES.md item 27). Where the
+    # decode kernel merges the splits itself (``merge``: no combine kernel, NOTES.md item 29),
+    # the share is what writing the output and merging add to a decode writing float32
+    # partials, and can be negative.
     from mla_ops import triton_kernels as tk
+
+    decode_out(first)
+    merge = tk.LAST_LAUNCH.get("merge", "")
 
     plan = planned(case, first)
     args = [i.op_args(*plan) for i in copies]
@@ -431,6 +437,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
             combine_share=in_call_us / ours.time_us,
             combine_alone_us=t_alone * 1e6,
             kernel=kernel,  # wgmma (Gluon), tma or gather (Triton)
+            merge=merge,  # who merges the splits, and why
         )
     return rows
 
@@ -608,7 +615,7 @@ def main() -> None:
     )
     print(
         f"{'case':<5}{'impl':<14}{'us':>10}{'GB/s':>8}{'TFLOP/s':>9}{'roofline':>9}{'rel_err':>9}"
-        f"{'splits':>7}{'comb%':>7}  note"
+        f"{'splits':>7}{'comb%':>7}{'merge':>8}  note"
     )
     for r in rows:
         t = f"{r.time_us:10.1f}" if r.time_us else f"{'-':>10}"
@@ -618,7 +625,9 @@ def main() -> None:
         e = f"{r.rel_err:9.1e}" if r.rel_err is not None else f"{'-':>9}"
         sp = f"{r.extra.get('num_splits', ''):>7}"
         cs = f"{100 * r.extra['combine_share']:6.1f}%" if "combine_share" in r.extra else f"{'':>7}"
-        print(f"{r.case:<5}{r.impl:<14}{t}{g}{fl}{rf}{e}{sp}{cs}  {r.note[:60]}")
+        merge = r.extra.get("merge", "").split(":")[0].replace("decode kernel", "kernel")
+        mg = f"{merge.replace('mla::combine', 'combine'):>8}"
+        print(f"{r.case:<5}{r.impl:<14}{t}{g}{fl}{rf}{e}{sp}{cs}{mg}  {r.note[:60]}")
     print(
         f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
         f"matches eager: {graph['matches_eager']}"

@@ -1,7 +1,7 @@
 """Export a DeepSeek-V3-shaped model's decode step to ONNX and run it in onnxruntime.
 
 The model is small and random (no download). The decode step is exported with a dynamic batch and
-cache length, its MLA attention rewritten to ``mla.decode`` / ``mla.combine`` and translated to
+cache length, its MLA attention rewritten to ``mla.attention`` (decode + combine) and translated to
 standard ONNX operators; one ONNX file then runs at several batch sizes and cache lengths and is
 compared with the eager PyTorch model.
 
@@ -48,7 +48,7 @@ def main() -> None:
 
     model = tiny_deepseek_v3(args.layers)
     start = time.perf_counter()
-    program = export.export_decode_step(model)  # rewritten: mla.decode per layer
+    program = export.export_decode_step(model)  # rewritten: mla.attention per layer
     took = time.perf_counter() - start
     print(f"torch.export + rewrite: {took:.1f} s, {export.mla_op_counts(program)}")
     start = time.perf_counter()

@@ -1,6 +1,7 @@
 """ONNX export of programs that call the ``mla`` ops (``torch.onnx.export(..., dynamo=True)``).
 
-Two translations of ``mla::decode`` and ``mla::combine``:
+Two translations of ``mla::decode`` and ``mla::combine`` (``mla::attention``, the one op the
+rewrite emits, is translated as those two in sequence; ``_with_attention``):
 
 * ``"standard"`` (default): standard ONNX operators (opset 18) that compute exactly what the
   PyTorch implementation (``mla_ops/reference.py``) computes: the same split boundaries, the same
@@ -245,7 +246,22 @@ def _standard_table() -> dict[Callable, Callable]:
             out = op.Cast(out, to=_onnx_dtype(out_dtype))
         return out, lse
 
-    return {torch.ops.mla.decode.default: decode, torch.ops.mla.combine.default: combine}
+    return _with_attention(decode, combine)
+
+
+def _with_attention(decode: Callable, combine: Callable) -> dict[Callable, Callable]:
+    """A translation table of ``decode``, ``combine`` and ``mla::attention`` = decode (partials)
+    then combine into q's dtype, the ops' own definition."""
+
+    def attention(q, *args, **kwargs):
+        out_partial, lse_partial = decode(q, *args, **kwargs)
+        return combine(out_partial, lse_partial, q.dtype)
+
+    return {
+        torch.ops.mla.decode.default: decode,
+        torch.ops.mla.combine.default: combine,
+        torch.ops.mla.attention.default: attention,
+    }
 
 
 def _dtype_of(name: str):
@@ -390,7 +406,7 @@ def _custom_table() -> dict[Callable, Callable]:
         out.type, lse.type = _tensor_type(_dtype_of_enum(dtype)), _tensor_type(out_partial.dtype)
         return out, lse
 
-    return {torch.ops.mla.decode.default: decode, torch.ops.mla.combine.default: combine}
+    return _with_attention(decode, combine)
 
 
 def step_io_names(

@@ -1,7 +1,7 @@
 """``torch.export`` of a Hugging Face MLA model's decode and prefill steps, rewritten; save/load.
 
 The decode program is exported with a dynamic batch and cache length, rewritten by
-``fx_passes.absorb_mla`` (latent attention through ``mla.decode`` / ``mla.combine``, no expanded
+``fx_passes.absorb_mla`` (latent attention through ``mla.attention``, no expanded
 K/V) and exported again, so the result is an ordinary, validated ``ExportedProgram``.
 """
 
@@ -18,16 +18,18 @@ from fx_passes.absorb import DEFAULT_MAX_Q_LEN
 
 from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
 
-MLA_OPS = ("mla.decode.default", "mla.combine.default")
+# mla.attention is what the rewrite emits; decode and combine appear where a graph calls them.
+MLA_OPS = ("mla.attention.default", "mla.decode.default", "mla.combine.default")
 _REGISTRATION_HINT = (
-    "The program calls the mla custom ops (torch.ops.mla.decode / combine), which exist in a "
+    "The program calls the mla custom ops (torch.ops.mla.attention, ...), which exist in a "
     "process only after `import mla_ops` (pip install mla-compile): import it before loading, "
     "or load with export.load_program, which does."
 )
 
 
 def mla_op_counts(program: torch.export.ExportedProgram | torch.fx.GraphModule) -> dict[str, int]:
-    """How many ``mla.decode`` / ``mla.combine`` nodes the program's graph holds."""
+    """How many ``mla.attention`` / ``mla.decode`` / ``mla.combine`` nodes the program's graph
+    holds."""
     graph = program.graph
     counts = dict.fromkeys(MLA_OPS, 0)
     for node in graph.nodes:
@@ -61,7 +63,7 @@ def export_decode_step(
     position_ids [B, q_len], past) -> (logits, present)`` with ``B`` in ``[1, max_batch_size]`` and
     the cache length ``T`` in ``[1, max_cache_len - q_len]`` (default: the model's
     ``max_position_embeddings``). ``batch_size`` and ``cache_len`` only size the example inputs.
-    Every MLA site is rewritten (``mla.decode`` + ``mla.combine``); a model where none is found
+    Every MLA site is rewritten (an ``mla.attention`` node); a model where none is found
     raises ``ValueError`` with ``absorb_mla``'s report.
     """
     _check_step_args(batch_size, cache_len, "cache_len", q_len)

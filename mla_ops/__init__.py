@@ -1,6 +1,7 @@
 """mla_ops: Multi-head Latent Attention decode and combine as ``torch.library`` custom ops.
 
-Importing this package registers ``torch.ops.mla.decode`` and ``torch.ops.mla.combine``
+Importing this package registers ``torch.ops.mla.decode``, ``torch.ops.mla.combine`` and
+``torch.ops.mla.attention`` (the two in one, which ``mla_decode`` calls), plus the paged-cache ops
 (Triton kernels on CUDA, a PyTorch implementation elsewhere, fake functions for compile/export).
 """
 

@@ -15,6 +15,12 @@ Two ops in namespace ``mla``:
 * ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
   -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
   e.g. a prefix and a suffix).
+* ``mla::attention(<mla::decode's arguments but fill_empty>) -> (out [B, S_q, H, L] in q's dtype,
+  lse [B, S_q, H])``: ``mla::decode`` then ``mla::combine``, as one op (what ``mla_decode``
+  calls). Same values, but on CUDA the wgmma kernel writes the output itself when a call has at
+  most ``triton_kernels.MERGE_MAX_SPLITS`` splits: a sequence in one chunk directly, a sequence
+  in several by the program that finishes last, with no combine kernel and no float32 partials
+  for single-chunk sequences (``triton_kernels.merge_path`` says when; ``LAST_LAUNCH["merge"]``).
 
 CUDA runs Triton kernels; every other device runs the PyTorch implementation in ``reference.py``.
 The fake functions let ``torch.compile(fullgraph=True)`` and ``torch.export`` treat each op as
@@ -350,6 +356,75 @@ def _combine_fake(
     return out, lse
 
 
+# --- mla::attention --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mla::attention", mutates_args=())
+def attention(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla::decode`` then ``mla::combine`` into q's dtype, as one op. See the module docstring."""
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
+            attn_mask, total_splits)  # fmt: skip
+    _check_decode(*args)
+    return reference.combine(*reference.decode(*args), q.dtype)
+
+
+@attention.register_kernel("cuda")
+def _attention_cuda(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits, kv_scale,
+            attn_mask, total_splits)  # fmt: skip
+    _check_decode(*args)
+    if q.dtype == torch.float64:  # as mla::decode: the PyTorch implementation
+        return reference.combine(*reference.decode(*args), q.dtype)
+    from . import triton_kernels
+
+    return triton_kernels.attention(*args)
+
+
+@attention.register_fake
+def _attention_fake(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    check_decode_args(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+                      kv_scale, attn_mask, total_splits)  # fmt: skip
+    out = q.new_empty((*q.shape[:3], kv_c.shape[-1]))
+    lse = q.new_empty(q.shape[:3], dtype=reference.accumulation_dtype(q.dtype))
+    return out, lse
+
+
 # --- mla::paged_rows --------------------------------------------------------------------------
 
 
@@ -584,7 +659,7 @@ def mla_decode(
         plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
         num_splits = plan.num_splits
         total_splits = plan.total_splits if total_splits is None else total_splits
-    out_partial, lse_partial = torch.ops.mla.decode(
+    return torch.ops.mla.attention(
         q,
         kv_c,
         k_pe,
@@ -596,10 +671,7 @@ def mla_decode(
         None if kv_scale is None else float(kv_scale),
         attn_mask,
         total_splits,
-        False,  # fill_empty: the combine below never reads an empty split's out
     )
-    out, lse = torch.ops.mla.combine(out_partial, lse_partial, q.dtype)
-    return out, lse
 
 
 def quantize_kv_fp8(kv: torch.Tensor) -> tuple[torch.Tensor, float]:

@@ -769,6 +769,76 @@ def default_config(
     return cfg
 
 
+def _decode_path(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    config: DecodeConfig | None,
+) -> tuple[DecodeConfig, str | None]:
+    """The Triton kernel's tiling and whether the wgmma kernel takes the call instead (its loads,
+    ``wgmma_loads``; None: the Triton kernel), logged with the reason at debug level."""
+    if config is None:
+        float8 = kv_c.dtype == torch.float8_e4m3fn
+        smem = shared_memory_optin(q.device)
+        config = default_config(
+            q.shape[1] * q.shape[2], kv_c.shape[-1], k_pe.shape[-1], q.element_size(), smem, float8
+        )
+    loads, why = None, "turned off (DecodeConfig.use_wgmma=False)"
+    if config.use_wgmma is not False:
+        loads, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
+        if loads and kv_c.dtype == torch.float8_e4m3fn and not config.fp8_in_f16:
+            # The wgmma kernel computes a float8 cache in fp16 only.
+            loads, why = None, "DecodeConfig.fp8_in_f16=False (the wgmma kernel uses fp16)"
+        if config.use_wgmma and not loads:
+            raise ValueError(f"DecodeConfig.use_wgmma=True, but the wgmma kernel cannot run: {why}")
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("mla::decode: %s kernel (%s)", "Gluon wgmma" if loads else "Triton", why)
+    return config, loads
+
+
+def _launch_wgmma(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: float | None,
+    causal: bool,
+    num_splits: int,
+    total_splits: int | None,
+    loads: str,
+    fill_empty: bool = True,
+    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """The wgmma kernel with its default tiling into partials ``out``/``lse`` (and, with
+    ``merge_into``, the final output: ``wgmma_decode.launch``); records it in ``LAST_LAUNCH``."""
+    from . import wgmma_decode
+
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    LAST_LAUNCH["decode_path"] = "wgmma"
+    LAST_LAUNCH["wgmma_loads"] = loads
+    block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
+    float8 = kv_c.dtype == torch.float8_e4m3fn
+    stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
+    producer_warps = wgmma_decode.default_producer_warps(num_warps, loads == "gather")
+    LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
+    rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
+    LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
+    with torch.cuda.device(q.device):
+        LAST_LAUNCH["decode"] = wgmma_decode.launch(
+            q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
+            kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
+            num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
+            lengths_per_step=LENGTHS_PER_STEP, gather=loads == "gather", fill_empty=fill_empty,
+            producer_warps=producer_warps, rows_on_m=rows_on_m, merge_into=merge_into,
+        )  # fmt: skip
+
+
 def decode(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -798,42 +868,12 @@ def decode(
         return out, lse
 
     rows = s_q * heads
-    if config is None:
-        float8 = kv_c.dtype == torch.float8_e4m3fn
-        smem = shared_memory_optin(q.device)
-        config = default_config(rows, kv_len, rope_len, q.element_size(), smem, float8)
-    cfg = config
-    loads, why = None, "turned off (DecodeConfig.use_wgmma=False)"
-    if cfg.use_wgmma is not False:
-        loads, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
-        if loads and kv_c.dtype == torch.float8_e4m3fn and not cfg.fp8_in_f16:
-            # The wgmma kernel computes a float8 cache in fp16 only.
-            loads, why = None, "DecodeConfig.fp8_in_f16=False (the wgmma kernel uses fp16)"
-        if cfg.use_wgmma and not loads:
-            raise ValueError(f"DecodeConfig.use_wgmma=True, but the wgmma kernel cannot run: {why}")
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("mla::decode: %s kernel (%s)", "Gluon wgmma" if loads else "Triton", why)
+    cfg, loads = _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
     if loads:
-        from . import wgmma_decode
-
-        LAST_LAUNCH["decode_path"] = "wgmma"
-        LAST_LAUNCH["wgmma_loads"] = loads
-        block_m, num_warps = wgmma_tiling(rows)
-        float8 = kv_c.dtype == torch.float8_e4m3fn
-        stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
-        producer_warps = wgmma_decode.default_producer_warps(num_warps, loads == "gather")
-        LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
-        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
-        LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
-        with torch.cuda.device(q.device):
-            LAST_LAUNCH["decode"] = wgmma_decode.launch(
-                q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
-                kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
-                num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
-                granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP,
-                gather=loads == "gather", fill_empty=fill_empty, producer_warps=producer_warps,
-                rows_on_m=rows_on_m,
-            )  # fmt: skip
+        _launch_wgmma(
+            q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, causal,
+            num_splits, total_splits, loads, fill_empty=fill_empty,
+        )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)
     block_r = _next_pow2(max(rope_len, 1))
@@ -965,4 +1005,101 @@ def combine(
             num_warps=2,
             **({"launch_pdl": True} if pdl else {}),
         )
+    return out, lse
+
+
+# Splits per sequence up to which the wgmma kernel writes the output itself (``merge_path``): a
+# sequence in one chunk directly, one in several merged by the chunk's program that finishes last
+# (reading the others' float32 partials from L2). Measured on an H100 (benchmarks/NOTES.md item
+# 29, ``experiments/merge_in_kernel.py``): the planner's 2-split plans of uniform batches, one
+# real chunk per sequence, gain 1.4-6 % ((a) 0.911 -> 0.928, (f) 0.589 -> 0.627, (g) 0.891 ->
+# 0.902); sequences in several chunks merge as fast as ``mla::combine`` at 2 splits ((b) 0.511
+# vs 0.507) and slower at 4 ((b) 0.507 -> 0.489, (e) 0.723 -> 0.706), where the merge runs after
+# the last chunk on one multiprocessor per row block instead of across the machine.
+MERGE_MAX_SPLITS = 2
+
+# Arrival counters of the merging wgmma kernel, per (device index, stream): every launch leaves
+# them zero (the last arrival of a row block resets its count), so one zeroing at allocation
+# serves every later launch on that stream.
+_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """``[count]`` int32 zeros for a merging launch (``wgmma_decode.launch``'s ``merge_into``).
+
+    Outside CUDA-graph capture: a buffer kept per (device, stream) and grown as needed, since each
+    launch leaves it zero; launches on one stream run in order and other streams get their own.
+    During capture: a fresh buffer zeroed by the graph itself (a memset node at every replay), so
+    graphs replayed on other streams never share counters.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(count, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch.cuda.current_stream(index).cuda_stream)
+    counters = _ARRIVALS.get(key)
+    if counters is None or counters.numel() < count:
+        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = counters
+    return counters
+
+
+def merge_path(loads: str | None, num_splits: int) -> tuple[bool, str]:
+    """Whether ``attention`` merges splits inside the decode kernel (no ``mla::combine`` launch)
+    and, if not, why."""
+    if not loads:
+        return False, "the Triton decode kernel writes partials only"
+    if num_splits > MERGE_MAX_SPLITS:
+        return False, (
+            f"num_splits={num_splits} > {MERGE_MAX_SPLITS}: mla::combine spreads the merge over "
+            "the machine"
+        )
+    return True, f"wgmma kernel, num_splits={num_splits} <= {MERGE_MAX_SPLITS}"
+
+
+def attention(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    kv_scale: float | None = None,
+    attn_mask: torch.Tensor | None = None,
+    total_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla::attention`` on CUDA: ``out [B, S_q, H, L]`` in q's dtype and ``lse [B, S_q, H]``.
+
+    When the wgmma kernel takes the call and ``num_splits <= MERGE_MAX_SPLITS`` it writes the
+    output itself (``merge_path``): a sequence in one chunk directly, a sequence in several by the
+    program that finishes last. Otherwise the decode kernel's partials go through the combine
+    kernel. ``LAST_LAUNCH["merge"]`` says which and why.
+    """
+    batch, s_q, heads, _ = q.shape
+    kv_len = kv_c.shape[-1]
+    _, loads = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
+    merge, why = merge_path(loads, num_splits)
+    LAST_LAUNCH["merge"] = ("decode kernel: " if merge else "mla::combine: ") + why
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("mla::attention: splits merged by the %s", LAST_LAUNCH["merge"])
+    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
+            kv_scale, attn_mask, total_splits)  # fmt: skip
+    if not merge:
+        return combine(*decode(*args, fill_empty=False), q.dtype)
+    out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
+    lse = new_output((batch, s_q, heads), torch.float32, q.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    # Scratch for sequences in several chunks; with one split per sequence none is ever written.
+    rows = (batch, s_q, heads) if num_splits > 1 else (1, 1, 1)
+    out_partial = torch.empty((*rows, num_splits, kv_len), dtype=torch.float32, device=q.device)
+    lse_partial = torch.empty((*rows, num_splits), dtype=torch.float32, device=q.device)
+    block_m, _ = wgmma_tiling(s_q * heads)
+    arrivals = arrival_counters(q.device, batch * math.ceil(s_q * heads / block_m))
+    _launch_wgmma(
+        q, kv_c, k_pe, cache_seqlens, block_table, out_partial, lse_partial, softmax_scale,
+        kv_scale, causal, num_splits, total_splits, loads, fill_empty=False,
+        merge_into=(out, lse, arrivals),
+    )  # fmt: skip
     return out, lse

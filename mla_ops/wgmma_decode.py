@@ -95,7 +95,8 @@ def _store_partial_t(
     stride_lb, stride_ls, stride_lh, stride_lk, WRITE_OUT: gl.constexpr = True,
 ):  # fmt: skip
     """``out_t [L, BLOCK_M]`` (transposed; unless not ``WRITE_OUT``) and ``lse [BLOCK_M]`` into
-    the partials."""
+    the partials at ``split``, or into the final ``[B, S_q, H, L]`` / ``[B, S_q, H]`` outputs
+    (``split`` 0, its strides 0); values are cast to the destination's dtype."""
     if WRITE_OUT:
         base = O_PART + b64 * stride_ob + split * stride_ok
         col = s_idx * stride_os + h_idx * stride_oh  # [BLOCK_M]
@@ -103,6 +104,83 @@ def _store_partial_t(
         gl.store(ptrs, out_t, mask=row_ok[None, :])
     lse_base = LSE_PART + b64 * stride_lb + split * stride_lk
     gl.store(lse_base + s_idx * stride_ls + h_idx * stride_lh, lse, mask=row_ok)
+
+
+@gluon.jit
+def _merge_splits(
+    O_PART, LSE_PART, OUT, LSE_OUT, b64, s_idx, h_idx, row_ok, n_real,
+    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+    stride_lb, stride_ls, stride_lh, stride_lk,
+    stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+    L: gl.constexpr, BLOCK_M: gl.constexpr, MAX_SPLITS: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """The LSE merge of this row block's ``n_real <= MAX_SPLITS`` partials (``mla::combine``'s
+    arithmetic) into the final ``OUT [B, S_q, H, L]`` (its dtype) and ``LSE_OUT [B, S_q, H]``,
+    run by the split program that arrives last.
+
+    Every split's values of a column block are one load (``[MAX_SPLITS, CHUNK_L, BLOCK_M]``, each
+    thread holding all splits of its columns), so the reads are in flight together rather than
+    one dependent L2 round trip per split (a loop over splits cost (b) 15 % of its call). Read with
+    ``.cg``: from L2, never a stale L1 line."""
+    CHUNK_L: gl.constexpr = 64 if L > 64 else L
+    parts_layout: gl.constexpr = gl.BlockedLayout(
+        [MAX_SPLITS, 2, 1], [1, 32, 1], [1, 1, num_warps], [1, 0, 2]
+    )
+    split_layout: gl.constexpr = gl.SliceLayout(1, parts_layout)  # [MAX_SPLITS, BLOCK_M]
+    out_layout: gl.constexpr = gl.SliceLayout(0, parts_layout)  # [CHUNK_L, BLOCK_M]
+    rows_s = gl.convert_layout(
+        gl.expand_dims(s_idx * stride_os + h_idx * stride_oh, 0), split_layout
+    )  # fmt: skip
+    lse_rows = gl.convert_layout(
+        gl.expand_dims(s_idx * stride_ls + h_idx * stride_lh, 0), split_layout
+    )  # fmt: skip
+    ok = gl.convert_layout(gl.expand_dims(row_ok, 0), split_layout)
+    k = gl.arange(0, MAX_SPLITS, layout=gl.SliceLayout(1, split_layout))[:, None]
+    real = ok & (k < n_real)  # [MAX_SPLITS, BLOCK_M]
+    lse_k = gl.load(
+        LSE_PART + b64 * stride_lb + k * stride_lk + lse_rows, mask=real, other=float("-inf"),
+        cache_modifier=".cg",
+    )  # fmt: skip
+    poisoned = gl.max((lse_k != lse_k).to(gl.int32), 0) > 0  # [BLOCK_M]
+    lse_max = gl.max(lse_k, 0)
+    # All of a row's splits empty of visible keys: shift by 0 so every weight is exactly 0.
+    shift = gl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = gl.exp(lse_k - shift[None, :])
+    total = gl.sum(weight, 0)
+    total_safe = gl.where(total == 0.0, 1.0, total)
+    weight = weight / total_safe[None, :]
+    lse = gl.where(total == 0.0, float("-inf"), shift + gl.log(total_safe))
+    lse = gl.where(poisoned, float("nan"), lse)
+    # A split with no visible key for a row is never read for it (as in the combine).
+    read = gl.expand_dims(real & (weight > 0.0), 1)  # [MAX_SPLITS, 1, BLOCK_M]
+    part_rows = O_PART + b64 * stride_ob + gl.expand_dims(k * stride_ok + rows_s, 1)
+    offs_c = gl.arange(0, CHUNK_L, layout=gl.SliceLayout(1, out_layout))
+    rows_out = gl.convert_layout(
+        s_idx * stride_fs + h_idx * stride_fh, gl.SliceLayout(0, out_layout)
+    )
+    ok_out = gl.convert_layout(row_ok, gl.SliceLayout(0, out_layout))
+    nan_out = gl.convert_layout(poisoned, gl.SliceLayout(0, out_layout))
+    row_layout: gl.constexpr = gl.SliceLayout(0, split_layout)
+    lse_out = gl.convert_layout(s_idx * stride_gs + h_idx * stride_gh, row_layout)
+    gl.store(LSE_OUT + b64 * stride_gb + lse_out, lse, mask=gl.convert_layout(row_ok, row_layout))
+    # Column blocks software-pipelined: the next block's loads are issued before this block's
+    # stores (which the compiler cannot reorder loads across: they might alias).
+    part = gl.load(
+        part_rows + gl.expand_dims(gl.expand_dims(offs_c * stride_od, 1), 0), mask=read,
+        other=0.0, cache_modifier=".cg",
+    )  # fmt: skip
+    for c in gl.static_range(L // CHUNK_L):
+        if c + 1 < L // CHUNK_L:
+            col3 = gl.expand_dims(gl.expand_dims(((c + 1) * CHUNK_L + offs_c) * stride_od, 1), 0)
+            following = gl.load(part_rows + col3, mask=read, other=0.0, cache_modifier=".cg")
+        out = gl.sum(part * gl.expand_dims(weight, 1), 0)  # [CHUNK_L, BLOCK_M]
+        out = gl.where(nan_out[None, :], float("nan"), out)
+        ptrs = (
+            OUT + b64 * stride_fb + (c * CHUNK_L + offs_c)[:, None] * stride_fd + rows_out[None, :]
+        )
+        gl.store(ptrs, out, mask=ok_out[None, :])
+        if c + 1 < L // CHUNK_L:
+            part = following
 
 
 @gluon.jit
@@ -615,6 +693,9 @@ def _mla_decode_wgmma_kernel(
     BLOCK_TABLE,  # [B, max_pages] int32
     O_PART,  # [B, S_q, H, num_splits, L] float32
     LSE_PART,  # [B, S_q, H, num_splits] float32
+    OUT,  # MERGE: [B, S_q, H, L] in q's dtype, the attention output
+    LSE_OUT,  # MERGE: [B, S_q, H] float32
+    ARRIVALS,  # MERGE: [B * row blocks] int32, zero before the launch and after it
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
     KV,  # kv_c [num_pages, page_size, L] (GATHER)
@@ -624,6 +705,8 @@ def _mla_decode_wgmma_kernel(
     stride_kvp, stride_kvt, stride_pep, stride_pet,  # GATHER: in 16-byte units
     stride_ob, stride_os, stride_oh, stride_ok, stride_od,
     stride_lb, stride_ls, stride_lh, stride_lk,
+    stride_fb, stride_fs, stride_fh, stride_fd,
+    stride_gb, stride_gs, stride_gh,
     NUM_PAGES,
     MAX_PAGES,
     scale_log2,  # softmax_scale * log2(e)
@@ -652,6 +735,8 @@ def _mla_decode_wgmma_kernel(
     PRODUCER_WARPS: gl.constexpr,  # warps of a producer partition that copies (0: none)
     PRODUCER_REGS: gl.constexpr,  # registers per thread of the producer partition
     ROWS_ON_M: gl.constexpr,  # 64 rows, 16-bit cache: S = Q K^T, O = P V (_consume_rows_on_m)
+    MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
+    MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     num_warps: gl.constexpr,
 ):  # fmt: skip
     # Programmatic dependent launch: the combine may launch now; it waits on the device for this
@@ -709,14 +794,23 @@ def _mla_decode_wgmma_kernel(
     if start >= end:
         # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
         # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (a), (d), (e),
-        # NOTES item 26).
-        _store_partial_t(
-            O_PART, LSE_PART, gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout),
-            gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout)),
-            b64, rows_st // H, rows_st % H, split, offs_l_st, row_ok_st, stride_ob, stride_os,
-            stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
-            FILL_EMPTY,
-        )  # fmt: skip
+        # NOTES item 26). MERGE: nothing, unless the whole sequence is empty (split 0 is empty
+        # only then), whose final rows are zeros and -inf.
+        zeros = gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout)
+        no_key = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
+        if MERGE:
+            if split == 0:
+                _store_partial_t(
+                    OUT, LSE_OUT, zeros, no_key, b64, rows_st // H, rows_st % H, 0, offs_l_st,
+                    row_ok_st, stride_fb, stride_fs, stride_fh, 0, stride_fd, stride_gb,
+                    stride_gs, stride_gh, 0,
+                )  # fmt: skip
+        else:
+            _store_partial_t(
+                O_PART, LSE_PART, zeros, no_key, b64, rows_st // H, rows_st % H, split, offs_l_st,
+                row_ok_st, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
+                stride_ls, stride_lh, stride_lk, FILL_EMPTY,
+            )  # fmt: skip
         return
 
     # Shared memory: the query block (the wgmma's B operand, as Q^T views), the KV ring, P^T.
@@ -858,11 +952,45 @@ def _mla_decode_wgmma_kernel(
     # A token at an invalid cache location was never read: the whole split's rows are NaN.
     out_t = gl.where(n_bad > 0, float("nan"), out_t)
     lse = gl.where(n_bad > 0, float("nan"), lse)
-    _store_partial_t(
-        O_PART, LSE_PART, out_t, lse, b64, rows_st // H, rows_st % H, split, offs_l_st, row_ok_st,
-        stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-        stride_lb, stride_ls, stride_lh, stride_lk,
-    )  # fmt: skip
+    s_st = rows_st // H
+    h_st = rows_st % H
+    if MERGE:
+        # A sequence cut into one chunk writes its final rows here (mla::combine of one split is
+        # exactly this cast); with more, every chunk writes its partial and the program that
+        # arrives last merges them. Splits past the sequence's chunks exited above.
+        n_real = gl.cdiv(seqlen, chunk)
+        if n_real == 1:
+            _store_partial_t(
+                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_l_st, row_ok_st, stride_fb,
+                stride_fs, stride_fh, 0, stride_fd, stride_gb, stride_gs, stride_gh, 0,
+            )  # fmt: skip
+        else:
+            _store_partial_t(
+                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_l_st, row_ok_st,
+                stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                stride_lb, stride_ls, stride_lh, stride_lk,
+            )  # fmt: skip
+            # Every thread's partial stores precede (bar.sync) one thread's release-acquire
+            # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
+            # (the scalar atomic's result reaches every thread through shared memory and a
+            # barrier) and puts the count back to 0 for the next launch.
+            _thread_barrier()
+            arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
+            if arrived == n_real - 1:
+                gl.store(ARRIVALS + pid_bm, 0)
+                _merge_splits(
+                    O_PART, LSE_PART, OUT, LSE_OUT, b64, s_st, h_st, row_ok_st, n_real,
+                    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                    stride_lb, stride_ls, stride_lh, stride_lk,
+                    stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+                    L, BLOCK_M, MERGE_SPLITS, num_warps,
+                )  # fmt: skip
+    else:
+        _store_partial_t(
+            O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_l_st, row_ok_st,
+            stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+            stride_lb, stride_ls, stride_lh, stride_lk,
+        )  # fmt: skip
 
 
 _GL_DTYPES = {
@@ -929,6 +1057,7 @@ def launch(
     fill_empty: bool = True,
     producer_warps: int | None = None,
     rows_on_m: bool | None = None,
+    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -938,6 +1067,11 @@ def launch(
     their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
     rows_on_m: the query rows on the MMA's M side (``_consume_rows_on_m``; None:
     ``default_rows_on_m``).
+    merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
+    arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
+    sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
+    are then its scratch (never read or written when ``num_splits`` is 1). ``arrivals`` is
+    zero again when the kernel ends.
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
@@ -959,12 +1093,18 @@ def launch(
         return t.stride(0) // unit, t.stride(1) // unit
 
     grid = (batch * triton.cdiv(s_q * heads, block_m) * num_splits,)
+    # Without merge_into the final pointers are never used: the partials stand in for them.
+    final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
+    final_strides = (*final_out.stride(), *final_lse.stride()) if merge_into else (0,) * 7
     return _mla_decode_wgmma_kernel[grid](
         q,
         cache_seqlens,
         block_table,
         out,
         lse,
+        final_out,
+        final_lse,
+        arrivals,
         kv_desc,
         pe_desc,
         kv_c,
@@ -975,6 +1115,7 @@ def launch(
         *vec_strides(pe),
         *out.stride(),
         *lse.stride(),
+        *final_strides,
         kv_c.shape[0],
         block_table.shape[1],
         softmax_scale * 1.4426950408889634,
@@ -1003,5 +1144,7 @@ def launch(
         PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=PRODUCER_REGS[bool(gather)],
         ROWS_ON_M=rows_on_m,
+        MERGE=merge_into is not None,
+        MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         num_warps=num_warps,
     )

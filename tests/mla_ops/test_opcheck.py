@@ -76,6 +76,7 @@ def paged_append_samples(device: str):
 
 
 SAMPLES = {
+    "mla::attention": decode_samples,  # the same arguments
     "mla::decode": decode_samples,
     "mla::combine": combine_samples,
     "mla::paged_rows": paged_rows_samples,
@@ -104,6 +105,6 @@ def test_opcheck(name: str, device: str) -> None:
     op = getattr(getattr(torch.ops, namespace), op_name).default
     for args in SAMPLES[name](device):
         torch.library.opcheck(op, args)
-    if name == "mla::decode":
+    if name in ("mla::decode", "mla::attention"):
         for args in decode_fp8_samples(device):
             torch.library.opcheck(op, args, test_utils=ALL_BUT_SCHEMA)

@@ -271,6 +271,122 @@ def test_64_row_programs_either_orientation(
     assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
 
 
+MERGE_CASES = [
+    # 16-row programs: sequences in 0, 1, 2, 3 and 4 chunks (chunks of >= 256 tokens).
+    dict(heads=16, s_q=1, page_size=64, lengths=[0, 1, 300, 700, 2000], num_splits=4),
+    # 64-row programs (rows on M), causal S_q = 2 over page size 1 (gathered).
+    dict(heads=128, s_q=2, page_size=1, lengths=[130, 0, 900], num_splits=4, causal=True),
+    # 43 heads x S_q 3 = 129 rows: three 64-row programs per sequence, the last with one row.
+    dict(heads=43, s_q=3, page_size=16, lengths=[3, 600, 1500], num_splits=3, causal=True),
+    # Balanced chunks across a ragged batch (total_splits).
+    dict(heads=16, s_q=1, page_size=64, lengths=[1000, 0, 300, 64, 130], num_splits=3,
+         total_splits=4),
+    # 32-row programs, two chunks at most.
+    dict(heads=32, s_q=1, page_size=128, lengths=[257, 4097], num_splits=2),
+]  # fmt: skip
+
+
+@requires_hopper
+@pytest.mark.parametrize("float8", [False, True])
+@pytest.mark.parametrize("kw", MERGE_CASES, ids=lambda kw: f"h{kw['heads']}xs{kw['s_q']}")
+def test_attention_merges_in_the_kernel(kernels, monkeypatch, kw: dict, float8: bool) -> None:
+    """``mla::attention`` with at most ``MERGE_MAX_SPLITS`` splits (raised to 4 here, so that
+    sequences in up to four chunks are merged): the wgmma kernel writes the output itself (no
+    combine kernel) into a NaN-poisoned allocation, matching the float64 reference; sequences in
+    one chunk (or none) bit-equal to decode + combine, the others within rounding of it; the same
+    bits on a second call; the arrival counters zero after each call."""
+    monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
+    if float8:
+        case = _fp8_pair_case(61, torch.bfloat16, dims=(512, 64), **kw)
+    else:
+        case = make_case(61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), **kw)
+    out, lse = kernels.attention(*case.op_args())
+    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+    out_p, lse_p = kernels.decode(*case.op_args())
+    out_c, lse_c = kernels.combine(out_p, lse_p, torch.bfloat16)
+    chunks = (~torch.isneginf(lse_p)).any(dim=(1, 2)).sum(dim=-1)  # [B] chunks per sequence
+    assert (chunks > 1).any(), "the case must exercise the merge"
+    whole = chunks <= 1
+    assert torch.equal(out[whole], out_c[whole]) and torch.equal(lse[whole], lse_c[whole])
+    torch.testing.assert_close(out, out_c, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, lse_c, atol=1e-5, rtol=1e-5)
+    again = kernels.attention(*case.op_args())
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    assert not kernels.arrival_counters(case.q.device, 4096).any()
+
+
+@requires_hopper
+@pytest.mark.parametrize("page_size", [64, 1])
+def test_attention_bad_page_poisons_only_its_sequence(kernels, page_size: int) -> None:
+    """A page id past the cache in a sequence of one chunk and in one of two chunks: their rows
+    are NaN in the merged output, the other sequences are untouched, counters back to zero."""
+    case = make_case(
+        62, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=16,
+        s_q=1, lengths=[200, 700, 500, 0], num_splits=kernels.MERGE_MAX_SPLITS,
+    )  # fmt: skip
+    ref_out, ref_lse = case.reference()
+    case.block_table[0, 130 // page_size] = case.kv_c.shape[0] + 1
+    case.block_table[1, 600 // page_size] = case.kv_c.shape[0] + 5
+    out, lse = kernels.attention(*case.op_args())
+    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel")
+    assert torch.isnan(out[:2]).all() and torch.isnan(lse[:2]).all()
+    assert not torch.isnan(out[2:]).any()
+    assert_matches(out[2:], lse[2:], ref_out[2:], ref_lse[2:], torch.bfloat16, case.describe())
+    assert not kernels.arrival_counters(case.q.device, 4096).any()
+
+
+@requires_hopper
+def test_attention_over_merge_max_splits_uses_the_combine(kernels) -> None:
+    """More splits than ``MERGE_MAX_SPLITS``: decode partials and the combine kernel, and
+    ``LAST_LAUNCH["merge"]`` says why."""
+    case = make_case(
+        63, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
+        lengths=[3000, 5], num_splits=kernels.MERGE_MAX_SPLITS + 1,
+    )  # fmt: skip
+    out, lse = kernels.attention(*case.op_args())
+    most = kernels.MERGE_MAX_SPLITS
+    assert kernels.LAST_LAUNCH["merge"].startswith(f"mla::combine: num_splits={most + 1} > {most}")
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+@requires_hopper
+def test_merged_attention_in_a_cuda_graph_matches_eager() -> None:
+    """``mla_decode`` with a merging plan captured in a CUDA graph (its arrival counters zeroed by
+    the graph itself): replays on new inputs equal eager calls bit for bit."""
+    import mla_ops
+    from mla_ops import triton_kernels
+
+    case = make_case(
+        64, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=128, s_q=1,
+        lengths=[3000, 1, 700, 0],
+    )  # fmt: skip
+    q, kv_c, k_pe = case.q.clone(), case.kv_c.clone(), case.k_pe.clone()
+
+    def call() -> tuple[torch.Tensor, torch.Tensor]:
+        return mla_ops.mla_decode(
+            q, (kv_c, k_pe), case.cache_seqlens, block_table=case.block_table, head_dim_v=512,
+            softmax_scale=0.1, num_splits=2,
+        )  # fmt: skip
+
+    call()  # compile outside the capture
+    assert triton_kernels.LAST_LAUNCH["merge"].startswith("decode kernel")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph, lse_graph = call()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q.copy_(torch.randn(q.shape, generator=gen, device="cuda"))
+        kv_c.copy_(torch.randn(kv_c.shape, generator=gen, device="cuda"))
+        graph.replay()
+        out, lse = call()
+        assert torch.equal(out_graph, out) and torch.equal(lse_graph, lse), seed
+
+
 def test_rows_on_m_default() -> None:
     """The rows go on the MMA's M side exactly for 64-row programs of two warpgroups over a 16-bit
     cache (a float8 cache keeps the transposed loop and its single conversion per tile)."""
@@ -394,19 +510,27 @@ def test_no_wgmma_off_hopper() -> None:
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "stages", "kv_dtype", "page_size", "rows_on_m"),
-    [(16, 2, None, 64, None), (64, 2, None, 64, None), (64, 2, None, 64, False),
-     (64, 2, None, 1, None), (16, 3, "fp8e4nv", 64, None), (16, 2, None, 1, None),
-     (64, 2, "fp8e4nv", 16, None)],
+    ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge"),
+    [(16, 2, None, 64, None, False), (64, 2, None, 64, None, False),
+     (64, 2, None, 64, False, False), (64, 2, None, 1, None, False),
+     (16, 3, "fp8e4nv", 64, None, False), (16, 2, None, 1, None, False),
+     (64, 2, "fp8e4nv", 16, None, False), (16, 2, None, 64, None, True),
+     (64, 2, None, 64, None, True)],
 )  # fmt: skip
 def test_compiles_to_wgmma_for_sm90(
-    rows: int, stages: int, kv_dtype: str | None, page_size: int, rows_on_m: bool | None
+    rows: int,
+    stages: int,
+    kv_dtype: str | None,
+    page_size: int,
+    rows_on_m: bool | None,
+    merge: bool,
 ) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
     (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
     most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
     SM; 64 rows with the query rows on either MMA side. Over a float8 cache at 16 rows, the three
-    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``."""
+    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``. Merging
+    (``mla::attention``): exactly one release-acquire arrival, partials read past L1."""
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
@@ -414,9 +538,11 @@ def test_compiles_to_wgmma_for_sm90(
     code = (
         "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
-        f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}); "
-        "r = oc.resources(k); r['cvt_e4m3'] = k.asm['ptx'].count('cvt.rn.f16x2.e4m3x2'); "
-        "r['m64n256'] = k.asm['ptx'].count('m64n256k16'); print(r)"
+        f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}, merge={merge}); "
+        "r = oc.resources(k); ptx = k.asm['ptx']; "
+        "r['cvt_e4m3'] = ptx.count('cvt.rn.f16x2.e4m3x2'); r['m64n256'] = ptx.count('m64n256k16'); "
+        "r['arrive'] = ptx.count('atom.global.gpu.acq_rel.add'); "
+        "r['cg'] = ptx.count('ld.global.cg'); print(r)"
     )
     # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -446,3 +572,16 @@ def test_compiles_to_wgmma_for_sm90(
     assert (res["m64n256"] > 0) == on_m, res
     if float8:
         assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
+    assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
+
+
+def test_merge_path_says_why() -> None:
+    """Which ``mla::attention`` calls merge splits inside the wgmma kernel, and why not."""
+    from mla_ops import triton_kernels
+
+    most = triton_kernels.MERGE_MAX_SPLITS
+    assert triton_kernels.merge_path("tma", 1)[0] and triton_kernels.merge_path("gather", most)[0]
+    ok, why = triton_kernels.merge_path("tma", most + 1)
+    assert not ok and f"num_splits={most + 1} > {most}" in why
+    ok, why = triton_kernels.merge_path(None, 1)
+    assert not ok and "Triton decode kernel" in why
