@@ -35,6 +35,12 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
 Rows past a split's end in its last tile hold stale cache memory (maybe NaN); they are zeroed in
 shared memory before the tile is used, so ``p = 0`` times them stays 0.
 
+With ``MERGE`` (``mla::attention`` with few splits, ``triton_kernels.merge_path``) the kernel
+writes the attention output itself: a sequence in one chunk stores its rows in q's dtype directly,
+and a sequence in several has each chunk store its float32 partial and count its arrival on a
+per-row-block counter (release/acquire at gpu scope); the chunk that arrives last merges them
+(``_merge_splits``) and resets the counter, so no ``mla::combine`` runs.
+
 A float8 ``kv_c`` tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
 of fp16) into one shared-memory staging tile that both products read. wgmma's own float8 form
 needs both operands K-major, which ``V^T`` in ``O^T = V^T P^T`` is not. The query's nope part is
