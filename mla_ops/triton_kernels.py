@@ -853,10 +853,12 @@ def decode(
     total_splits: int | None = None,
     config: DecodeConfig | None = None,
     fill_empty: bool = True,
+    path: tuple[DecodeConfig, str | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only.
 
     fill_empty: write an empty split's zero ``out`` (False: only its ``lse = -inf``).
+    path: ``_decode_path``'s answer when the caller has it already (``attention``).
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
@@ -868,7 +870,7 @@ def decode(
         return out, lse
 
     rows = s_q * heads
-    cfg, loads = _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
+    cfg, loads = path or _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
     if loads:
         _launch_wgmma(
             q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, causal,
@@ -1078,7 +1080,8 @@ def attention(
     """
     batch, s_q, heads, _ = q.shape
     kv_len = kv_c.shape[-1]
-    _, loads = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
+    path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
+    loads = path[1]
     merge, why = merge_path(loads, num_splits)
     LAST_LAUNCH["merge"] = ("decode kernel: " if merge else "mla::combine: ") + why
     if log.isEnabledFor(logging.DEBUG):
@@ -1086,7 +1089,7 @@ def attention(
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
             kv_scale, attn_mask, total_splits)  # fmt: skip
     if not merge:
-        return combine(*decode(*args, fill_empty=False), q.dtype)
+        return combine(*decode(*args, fill_empty=False, path=path), q.dtype)
     out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
     lse = new_output((batch, s_q, heads), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
