@@ -14,11 +14,11 @@ Method
   around each call, repeated as ``triton.testing.do_bench`` repeats (``time_rotating``), with L2
   evicted before every call by reading a 256 MB buffer. do_bench evicts it by zeroing that
   buffer instead, which leaves all of L2 dirty: every timed kernel then also writes about the L2
-  size back to DRAM (9-10 us on an H100 for our kernel and for a plain 302 MB ``torch.sum``
-  alike; ``experiments/l2_state.py``, NOTES.md item 30). ``mla_decode`` is also timed that way
-  (``time_us_dirty_l2``, the "dirty" column), which is the method of FlashMLA's published
-  figures. The ceilings are timed like the cases (clean L2). Eager (un-graphed) time is
-  reported beside the graph time.
+  size back to DRAM (9.5-9.9 us on an H100 for the bandwidth-bound cases and a plain 302 MB
+  ``torch.sum`` alike; ``experiments/l2_state.py``, NOTES.md item 30). ``mla_decode`` is also
+  timed that way (``time_us_dirty_l2``, the "dirty" column), the L2 state under which FlashMLA's
+  ``tests/test_flash_mla.py`` times (``triton.testing.do_bench``). The ceilings are timed like
+  the cases (clean L2). Eager (un-graphed) time is reported beside the graph time.
 - roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
 - Case ``a8``: (a) over a float8 cache; ``am``: (a) with an all-visible bf16 ``attn_mask``,
@@ -107,9 +107,9 @@ def copy_bandwidth() -> float:
     return 2 * x.numel() * x.element_size() / t
 
 
-# Timed windows of the matmul ceiling: its rate moves by up to 15 % between windows on one machine
-# (clocks under the power limit; an H100 gave 598-738 TFLOP/s, NOTES.md item 30), so the ceiling
-# is the best of several, the strictest denominator for the compute-bound cases.
+# Timed windows of the matmul ceiling: its rate moves between windows on one machine (clocks under
+# the power limit; H100 626-752, H200 657-730 TFLOP/s, NOTES.md item 30), so the ceiling is the
+# best of several, the strictest denominator for the compute-bound cases.
 MATMUL_WINDOWS = 5
 
 
@@ -121,7 +121,7 @@ def ceilings() -> dict:
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    time_rotating([lambda: a @ b], warmup=1000, rep=1)
+    time_rotating([lambda: a @ b], warmup=1000, rep=1)  # a second of warm-up; its time unused
     windows = [
         2 * n**3 / time_rotating([lambda: a @ b], warmup=0, rep=200) for _ in range(MATMUL_WINDOWS)
     ]
