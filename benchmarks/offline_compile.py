@@ -101,7 +101,7 @@ def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
-    rows_on_m: bool | None = None, merge: bool = False,
+    rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -126,7 +126,7 @@ def compile_wgmma(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
         ),
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
-        ROWS_ON_M=rows_on_m, MERGE=merge, MERGE_SPLITS=4 if merge else 1,
+        ROWS_ON_M=rows_on_m, MERGE=merge, MERGE_SPLITS=4 if merge else 1, STAMPS=stamps,
         num_warps=warps, stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -145,6 +145,7 @@ def compile_wgmma(
             "OUT",
             "LSE_OUT",
             "ARRIVALS",
+            "STAMP_BUF",
         ) or (name.startswith("stride_") and name not in const):
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in const:
@@ -161,6 +162,8 @@ def compile_wgmma(
             signature[name] = f"*{kv_dtype or dtype}"
         elif name in ("SEQLENS", "BLOCK_TABLE", "ARRIVALS"):
             signature[name] = "*i32"
+        elif name == "STAMP_BUF":
+            signature[name] = "*i64"
         elif name in ("O_PART", "LSE_PART", "LSE_OUT"):
             signature[name] = "*fp32"
         else:
@@ -231,6 +234,7 @@ def main() -> None:
     p.add_argument(
         "--merge", action="store_true", help="wgmma: final output and in-kernel split merge"
     )
+    p.add_argument("--stamps", action="store_true", help="wgmma: with the phase stamps")
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     if args.wgmma:
@@ -240,12 +244,14 @@ def main() -> None:
             kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
             producer_warps=args.producer_warps,
             rows_on_m=None if args.rows_on_m is None else bool(args.rows_on_m), merge=args.merge,
+            stamps=args.stamps,
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
             f"kv {args.kv_dtype or args.dtype} page size {args.page_size} producer warps "
             f"{args.producer_warps if args.producer_warps is not None else 'default'} rows on M "
-            f"{args.rows_on_m if args.rows_on_m is not None else 'default'} merge {args.merge}: "
+            f"{args.rows_on_m if args.rows_on_m is not None else 'default'} merge {args.merge} "
+            f"stamps {args.stamps}: "
             f"{resources(compiled)}"
         )
         if args.dump:

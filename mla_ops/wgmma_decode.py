@@ -82,6 +82,32 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
 
+# Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
+# ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
+STAMP_FIELDS = (
+    "entry",  # kernel entry
+    "bounds",  # the split's token range known (its sequence length loaded)
+    "query",  # math warps: the query staged in shared memory
+    "first_tile",  # math warps: the first tile's scores done (its copy landed)
+    "loop_end",  # math warps: the last tile's P.V done
+    "first_copy",  # producer: the first tile's copy issued
+    "last_copy",  # producer: the last tile's copy issued
+    "exit",  # the partials (or the final rows, or the merge) stored
+    "sm",  # not a time: the multiprocessor the program ran on
+    "tiles",  # not a time: KV tiles of the split (0 for an empty split)
+)
+STAMP_SLOTS = gl.constexpr(16)
+STAMP_ENTRY = gl.constexpr(STAMP_FIELDS.index("entry"))
+STAMP_BOUNDS = gl.constexpr(STAMP_FIELDS.index("bounds"))
+STAMP_QUERY = gl.constexpr(STAMP_FIELDS.index("query"))
+STAMP_FIRST_TILE = gl.constexpr(STAMP_FIELDS.index("first_tile"))
+STAMP_LOOP_END = gl.constexpr(STAMP_FIELDS.index("loop_end"))
+STAMP_FIRST_COPY = gl.constexpr(STAMP_FIELDS.index("first_copy"))
+STAMP_LAST_COPY = gl.constexpr(STAMP_FIELDS.index("last_copy"))
+STAMP_EXIT = gl.constexpr(STAMP_FIELDS.index("exit"))
+STAMP_SM = gl.constexpr(STAMP_FIELDS.index("sm"))
+STAMP_TILES = gl.constexpr(STAMP_FIELDS.index("tiles"))
+
 
 @gluon.constexpr_function
 def _copy_layouts(num_warps, kv_fp8):
@@ -92,6 +118,17 @@ def _copy_layouts(num_warps, kv_fp8):
     io = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     conv = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
     return io, conv, conv if kv_fp8 else io
+
+
+@gluon.jit
+def _stamp(STAMP_ROW, slot: gl.constexpr, ON: gl.constexpr):
+    """With ``ON``: the global timer (ns) into ``STAMP_ROW[slot]``, the program's stamp row
+    (every thread stores the same value). Compiled out otherwise."""
+    if ON:
+        now = gl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+        )
+        gl.store(STAMP_ROW + slot, now)
 
 
 @gluon.jit
@@ -476,9 +513,9 @@ def _online_softmax(s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.c
 def _produce_tiles(
     KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, ready, free, done, bad_smem, b64,
     start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
-    stride_pep, stride_pet, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
+    stride_pep, stride_pet, STAMP_ROW, PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr,
     HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr, L: gl.constexpr,
-    R: gl.constexpr, CHUNK: gl.constexpr,
+    R: gl.constexpr, CHUNK: gl.constexpr, STAMPS: gl.constexpr,
 ):  # fmt: skip
     """The producer partition (``PRODUCER_WARPS`` warps of their own): locate and copy every tile
     of the split into the ring, each into a slot as soon as the math warps have freed it; then
@@ -512,6 +549,9 @@ def _produce_tiles(
             stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, GATHER, L, R,
             CHUNK, gather_layout, io_layout,
         )  # fmt: skip
+        if i == 0:
+            _stamp(STAMP_ROW, STAMP_FIRST_COPY, STAMPS)
+    _stamp(STAMP_ROW, STAMP_LAST_COPY, STAMPS)
     bad_smem.store(n_bad)
     # Every producer thread's store before the one arrival.
     _thread_barrier()
@@ -523,10 +563,11 @@ def _consume_tiles(
     Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, stage, p_smem,
     ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs,
     stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
-    stride_pep, stride_pet, scale_log2, kv_scale, S_Q: gl.constexpr, H: gl.constexpr,
-    L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
+    stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q: gl.constexpr,
+    H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
     KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
+    STAMPS: gl.constexpr,
 ):  # fmt: skip
     """The math warps: the query into shared memory, then for each tile its scores, the online
     softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
@@ -556,6 +597,7 @@ def _consume_tiles(
         Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd,
         kv_scale, S_Q, H, L, R, BLOCK_M, HAS_PE, KV_FP8, io_layout,
     )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(0, s_layout)
@@ -584,6 +626,8 @@ def _consume_tiles(
             kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
             nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CHUNK, io_layout, conv_layout,
         )  # fmt: skip
+        if i == 0:
+            _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V.
         if KV_FP8:
             _hand_back(
@@ -609,6 +653,7 @@ def _consume_tiles(
                 PAGE_SIZE, NUM_STAGES, HAS_PE, GATHER, L, R, CHUNK, PRODUCER, gather_layout,
                 io_layout,
             )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
     return o_t, m_i, l_i, n_bad
 
 
@@ -617,9 +662,10 @@ def _consume_rows_on_m(
     Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, p_smem, ready,
     free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
     stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep,
-    stride_pet, scale_log2, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr,
+    stride_pet, scale_log2, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr,
     R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr,
+    STAMPS: gl.constexpr,
 ):  # fmt: skip
     """The loop of a 64-row program with the query rows on the MMA's M side (16-bit cache, two
     warpgroups, no producer partition): ``S [64, BLOCK_N] = Q K^T``, ``O [64, L] += P V``.
@@ -648,6 +694,7 @@ def _consume_rows_on_m(
         Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, 1.0,
         S_Q, H, L, R, BLOCK_M, HAS_PE, False, io_layout,
     )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(1, s_layout)
@@ -671,6 +718,8 @@ def _consume_rows_on_m(
         if HAS_PE:
             s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if i == 0:
+            _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         p, m_i, l_part, alpha = _online_softmax(
             s, m_i, l_part, tile_start + offs_tile, end, last_key, scale_log2, 1
         )
@@ -685,6 +734,7 @@ def _consume_rows_on_m(
             next_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, NUM_STAGES,
             HAS_PE, GATHER, L, R, CHUNK, False, gather_layout, io_layout,
         )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
     l_i = gl.sum(l_part, 1)
     # O^T in the epilogue's layout: latent columns across a warp's lanes, then transposed.
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
@@ -702,6 +752,7 @@ def _mla_decode_wgmma_kernel(
     OUT,  # MERGE: [B, S_q, H, L] in q's dtype, the attention output
     LSE_OUT,  # MERGE: [B, S_q, H] float32
     ARRIVALS,  # MERGE: [B * row blocks] int32, zero before the launch and after it
+    STAMP_BUF,  # STAMPS: [programs, STAMP_SLOTS] int64
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
     KV,  # kv_c [num_pages, page_size, L] (GATHER)
@@ -743,8 +794,17 @@ def _mla_decode_wgmma_kernel(
     ROWS_ON_M: gl.constexpr,  # 64 rows, 16-bit cache: S = Q K^T, O = P V (_consume_rows_on_m)
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
+    STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
     num_warps: gl.constexpr,
 ):  # fmt: skip
+    pid = gl.program_id(0)
+    STAMP_ROW = STAMP_BUF + pid * STAMP_SLOTS
+    _stamp(STAMP_ROW, STAMP_ENTRY, STAMPS)
+    if STAMPS:
+        sm = gl.inline_asm_elementwise(
+            "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.store(STAMP_ROW + STAMP_SM, sm.to(gl.int64))
     # Programmatic dependent launch: the combine may launch now; it waits on the device for this
     # grid's writes (triton_kernels.has_pdl).
     gl.inline_asm_elementwise(
@@ -771,7 +831,6 @@ def _mla_decode_wgmma_kernel(
     # headroom splits run on what is left. Without the empty splits' zeros this beat splits
     # varying fastest on the ragged (e) by 3-3.5 % and on (d) by 0.7-0.9 %, and tied on (a)
     # (two H100 runs, NOTES.md item 26).
-    pid = gl.program_id(0)
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
     split = pid // (batch * num_row_blocks)
     pid_bm = pid % (batch * num_row_blocks)
@@ -792,6 +851,10 @@ def _mla_decode_wgmma_kernel(
     chunk = gl.maximum(per_split, MIN_CHUNK)
     start = split * chunk
     end = gl.minimum(start + chunk, seqlen)
+    _stamp(STAMP_ROW, STAMP_BOUNDS, STAMPS)
+    if STAMPS:
+        tiles = gl.cdiv(gl.maximum(end - start, 0), BLOCK_N)
+        gl.store(STAMP_ROW + STAMP_TILES, tiles.to(gl.int64))
 
     # Rows of this program, in the layouts they are used in.
     rows_st = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
@@ -817,6 +880,7 @@ def _mla_decode_wgmma_kernel(
                 row_ok_st, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
                 stride_ls, stride_lh, stride_lk, FILL_EMPTY,
             )  # fmt: skip
+        _stamp(STAMP_ROW, STAMP_EXIT, STAMPS)
         return
 
     # Shared memory: the query block (the wgmma's B operand, as Q^T views), the KV ring, P^T.
@@ -891,8 +955,9 @@ def _mla_decode_wgmma_kernel(
                         pe_ring, stage, p_smem, ready, free, n_bad, b64, row_block, seqlen,
                         start, end, n_tiles, stride_qb, stride_qs, stride_qh, stride_qd,
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
-                        stride_pep, stride_pet, scale_log2, kv_scale, S_Q, H, L, R, PAGE_SIZE,
-                        BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER, True,
+                        stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
+                        PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER,
+                        True, STAMPS,
                     ),
                 ),
                 (
@@ -901,7 +966,8 @@ def _mla_decode_wgmma_kernel(
                         KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, ready, free,
                         done, bad_smem, b64, start, end, n_tiles, stride_btb, stride_btp,
                         NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet,
-                        PAGE_SIZE, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, R, CHUNK,
+                        STAMP_ROW, PAGE_SIZE, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, R, CHUNK,
+                        STAMPS,
                     ),
                 ),
             ],
@@ -930,8 +996,9 @@ def _mla_decode_wgmma_kernel(
                 Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
                 p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
-                MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, S_Q, H, L,
-                R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, CHUNK, GATHER,
+                MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, STAMP_ROW,
+                S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, CHUNK, GATHER,
+                STAMPS,
             )  # fmt: skip
         else:
             o_t, m_i, l_i, n_bad = _consume_tiles(
@@ -939,8 +1006,8 @@ def _mla_decode_wgmma_kernel(
                 stage, p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
-                S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK,
-                GATHER, False,
+                STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
+                CHUNK, GATHER, False, STAMPS,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
@@ -997,6 +1064,7 @@ def _mla_decode_wgmma_kernel(
             stride_ob, stride_os, stride_oh, stride_ok, stride_od,
             stride_lb, stride_ls, stride_lh, stride_lk,
         )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_EXIT, STAMPS)
 
 
 _GL_DTYPES = {
@@ -1064,6 +1132,7 @@ def launch(
     producer_warps: int | None = None,
     rows_on_m: bool | None = None,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stamps: torch.Tensor | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -1078,6 +1147,8 @@ def launch(
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
     are then its scratch (never read or written when ``num_splits`` is 1). ``arrivals`` is
     zero again when the kernel ends.
+    stamps: an instrument, ``[programs, STAMP_SLOTS]`` int64 that every program fills with its
+    phase stamps (``STAMP_FIELDS``; the op never passes one).
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
@@ -1102,6 +1173,13 @@ def launch(
     # Without merge_into the final pointers are never used: the partials stand in for them.
     final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
     final_strides = (*final_out.stride(), *final_lse.stride()) if merge_into else (0,) * 7
+    if stamps is not None and (
+        stamps.dtype != torch.int64 or tuple(stamps.shape) != (grid[0], STAMP_SLOTS.value)
+    ):
+        raise ValueError(
+            f"stamps: expected int64 [{grid[0]}, {STAMP_SLOTS.value}] (programs x slots), got "
+            f"{stamps.dtype} {list(stamps.shape)}"
+        )
     return _mla_decode_wgmma_kernel[grid](
         q,
         cache_seqlens,
@@ -1111,6 +1189,7 @@ def launch(
         final_out,
         final_lse,
         arrivals,
+        stamps if stamps is not None else arrivals,
         kv_desc,
         pe_desc,
         kv_c,
@@ -1152,5 +1231,6 @@ def launch(
         ROWS_ON_M=rows_on_m,
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
+        STAMPS=stamps is not None,
         num_warps=num_warps,
     )

@@ -271,6 +271,76 @@ def test_64_row_programs_either_orientation(
     assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
 
 
+@requires_hopper
+@pytest.mark.parametrize(("heads", "page_size"), [(16, 64), (16, 1), (128, 64)])
+def test_phase_stamps_are_ordered_and_leave_the_output_alone(
+    kernels, monkeypatch, heads: int, page_size: int
+) -> None:
+    """``launch(stamps=...)`` (the instrument of benchmarks/experiments/phase_stamps.py): every
+    program records its multiprocessor, its split's tile count as ``planner.split_bounds`` cuts
+    it, and global-timer phases in order (entry <= bounds <= exit; query <= first tile <= loop
+    end <= exit; the producer's first copy <= first tile, last copy <= loop end), in 16-row
+    programs with a producer partition (TMA, gathered) and 64-row ones without; the partials are
+    bit-equal to an unstamped launch's. A stamps buffer of the wrong shape is refused."""
+    import functools
+
+    from mla_ops import planner, wgmma_decode
+
+    case = make_case(
+        5, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=heads,
+        s_q=1, lengths=[0, 1, 700, 64, 2000], num_splits=3,
+    )  # fmt: skip
+    out_plain, lse_plain = kernels.decode(*case.op_args())
+    block_m, _ = kernels.wgmma_tiling(heads)
+    row_blocks = -(-heads // block_m)
+    programs = 5 * row_blocks * 3
+    stamps = torch.zeros(programs, wgmma_decode.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(
+        wgmma_decode, "launch", functools.partial(wgmma_decode.launch, stamps=stamps)
+    )
+    out, lse = kernels.decode(*case.op_args())
+    assert torch.equal(out.nan_to_num(), out_plain.nan_to_num())
+    assert torch.equal(lse.nan_to_num(), lse_plain.nan_to_num())
+    f = {name: stamps[:, i].cpu() for i, name in enumerate(wgmma_decode.STAMP_FIELDS)}
+    # Programs run split-major: pid = (split * B + b) * row_blocks + row_block.
+    start, end = planner.split_bounds(case.cache_seqlens.cpu(), 3)
+    tiles = (-(-(end - start).clamp_min(0) // wgmma_decode.BLOCK_N)).T.repeat_interleave(
+        row_blocks, dim=1
+    )
+    assert torch.equal(f["tiles"], tiles.flatten().long())
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert ((f["sm"] >= 0) & (f["sm"] < n_sm)).all()
+    assert (f["entry"] > 0).all() and (f["entry"] <= f["bounds"]).all()
+    assert (f["bounds"] <= f["exit"]).all()
+    real = f["tiles"] > 0
+    for a, b in [("bounds", "query"), ("query", "first_tile"), ("first_tile", "loop_end"),
+                 ("loop_end", "exit")]:  # fmt: skip
+        assert (f[a][real] <= f[b][real]).all(), (a, b)
+    assert (f["query"][~real] == 0).all()  # an empty split returns before the loop
+    if block_m == 16:  # the producer partition's copies
+        assert (f["first_copy"][real] <= f["first_tile"][real]).all()
+        assert (f["last_copy"][real] <= f["loop_end"][real]).all()
+    else:
+        assert (f["first_copy"] == 0).all()
+    with pytest.raises(ValueError, match="stamps: expected int64"):
+        wgmma_decode.launch.func(
+            *_launch_args(kernels, case), gather=page_size % 64 != 0, stamps=stamps[1:]
+        )
+
+
+def _launch_args(kernels, case) -> tuple:
+    """``wgmma_decode.launch``'s positional arguments for ``case`` with the op's tiling."""
+    block_m, warps = kernels.wgmma_tiling(case.q.shape[1] * case.q.shape[2])
+    b, s_q, h, _ = case.q.shape
+    out = torch.empty((b, s_q, h, case.num_splits, 512), device="cuda")
+    lse = torch.empty((b, s_q, h, case.num_splits), device="cuda")
+    return (
+        case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse,
+        case.softmax_scale, None, case.causal, case.num_splits, None, block_m, warps, 2, 256, 64,
+        kernels.LENGTHS_PER_STEP,
+    )  # fmt: skip
+
+
 MERGE_CASES = [
     # 16-row programs: sequences in 0, 1, 2, 3 and 4 chunks (chunks of >= 256 tokens).
     dict(heads=16, s_q=1, page_size=64, lengths=[0, 1, 300, 700, 2000], num_splits=4),
@@ -573,6 +643,31 @@ def test_compiles_to_wgmma_for_sm90(
     if float8:
         assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
+@pytest.mark.parametrize("rows", [16, 64])
+def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
+    """The phase stamps read ``%globaltimer`` only in a ``stamps`` build: the op's kernel has
+    none, and the stamped one keeps its registers (no more than a few spilled scalars)."""
+    from mla_ops import triton_kernels
+
+    block_m, warps = triton_kernels.wgmma_tiling(rows)
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+        f"r = [oc.compile_wgmma({block_m}, 2, warps={warps}, stamps=s) for s in (False, True)]; "
+        "print([(k.asm['ptx'].count('%globaltimer'), oc.resources(k)['spill_bytes']) for k in r])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    (plain, plain_spill), (stamped, stamped_spill) = ast.literal_eval(
+        run.stdout.strip().splitlines()[-1]
+    )
+    assert plain == 0 and stamped > 0
+    assert stamped_spill < 256 and plain_spill < 256
 
 
 def test_merge_path_says_why() -> None:
