@@ -135,8 +135,8 @@ def stamp_case(name: str, ceil: dict, runs: int) -> tuple[dict, list]:
         summaries.append(summary)
         raw.append(stamps.cpu().tolist())
     row = dict(
-        case=name, plan=list(plan), programs=programs,
-        block_m=block_m, decode_us=t_plain * 1e6, stamped_decode_us=t_marked * 1e6, rel_err=err,
+        case=name, plan=list(plan), programs=programs, block_m=block_m,
+        decode_us=t_plain * 1e6, stamped_decode_us=t_marked * 1e6, rel_err=err,
         floor_us=bd.floor_seconds(case, dict(ceil)) * 1e6, runs=summaries,
     )  # fmt: skip
     del copies, plain, marked
@@ -175,7 +175,8 @@ def print_case(row: dict) -> None:
         f"err {row['rel_err']:.1e}"
     )
     print(
-        f"  span {r['span_us']:.1f} us (event {r['event_us']:.1f}); entries p50/max "
+        f"  span {r['span_us']:.1f} us (events around the eager launch, host included: "
+        f"{r['event_us']:.1f}); entries p50/max "
         f"{pm(r['entry'])}; programs/SM {r['programs_per_sm']}; tiles {pm(r['tiles'])}"
     )
     for key in (

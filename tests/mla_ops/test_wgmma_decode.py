@@ -330,14 +330,16 @@ def test_phase_stamps_are_ordered_and_leave_the_output_alone(
 
 def _launch_args(kernels, case) -> tuple:
     """``wgmma_decode.launch``'s positional arguments for ``case`` with the op's tiling."""
+    from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+
     block_m, warps = kernels.wgmma_tiling(case.q.shape[1] * case.q.shape[2])
     b, s_q, h, _ = case.q.shape
     out = torch.empty((b, s_q, h, case.num_splits, 512), device="cuda")
     lse = torch.empty((b, s_q, h, case.num_splits), device="cuda")
     return (
         case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse,
-        case.softmax_scale, None, case.causal, case.num_splits, None, block_m, warps, 2, 256, 64,
-        kernels.LENGTHS_PER_STEP,
+        case.softmax_scale, None, case.causal, case.num_splits, None, block_m, warps, 2,
+        MIN_CHUNK, SPLIT_GRANULE, kernels.LENGTHS_PER_STEP,
     )  # fmt: skip
 
 
