@@ -4,7 +4,7 @@ stand-ins for the combine that stop at successive points of its chain, then the 
 Each stand-in is launched exactly as the combine is (same grid and warps, programmatic dependent
 launch, ``griddepcontrol.wait`` first) and writes the same output tensors:
 - ``wait``: waits, then stores zeros (the grid's completion, the wait and the stores);
-- ``lse``: waits, loads the row's split lse, stores the merged lse and zeros (one L2 round trip);
+- ``lse``: waits, loads the row's split lse, stores their largest and zeros (one L2 round trip);
 - the real combine also loads the partials of the splits with weight (a second round trip).
 Timing only: the stand-ins' outputs are not attention. CUDA-graph replays of rotated inputs,
 ``bench_decode``'s clean-L2 timer, the planner's plan.
@@ -61,8 +61,7 @@ def stand_in_call(args: tuple, read_lse: bool):
         splits = lse_p.shape[-1]
         out = torch.empty((b, s_q, h, kv_len), dtype=q.dtype, device=q.device)
         lse = torch.empty((b, s_q, h), dtype=torch.float32, device=q.device)
-        block_s = tk._next_pow2(splits, floor=2)
-        block_l = min(tk._next_pow2(kv_len), max(32, min(256, 4096 // block_s)))  # the combine's
+        block_s, block_l = tk.combine_tiling(splits, kv_len)
         _stand_in[(b * s_q * h, triton.cdiv(kv_len, block_l))](
             lse_p, out, lse, splits, kv_len, BLOCK_S=block_s, BLOCK_L=block_l,
             READ_LSE=read_lse, num_warps=2, launch_pdl=True,
