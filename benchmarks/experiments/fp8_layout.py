@@ -1,0 +1,121 @@
+"""Where a float8 cache's ``k_pe`` lies, and what it costs the decode (benchmarks/NOTES.md item 36).
+
+``bench_decode``'s case ``a8`` reads ``kv_c`` from its own contiguous float8 tensor and ``k_pe`` as
+a view into the bf16 rows it was quantised from: 128 bytes out of every 1152. A cache built for
+float8 stores ``k_pe`` either contiguously, or per token beside ``kv_c`` (one 640-byte row: 512
+e4m3 bytes, then 64 bf16 values, as FlashMLA's float8 rows keep the RoPE part beside the latent
+part). The same values in the three layouts, the op's tiling, the planner's plan, then
+``mla::combine``; CUDA-graph replays of rotated inputs, ``bench_decode``'s clean-L2 timer. Every
+float8 output is checked against float64 attention over the dequantised cache first.
+
+    python benchmarks/experiments/fp8_layout.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench_decode as bd
+
+
+def dequantised_reference(inp: bd.Inputs, case: bd.Case) -> torch.Tensor:
+    """float64 causal attention over the dequantised float8 cache, one sequence at a time (what
+    the kernel must reproduce; ``bench_decode.reference`` with the cache the kernel reads)."""
+    kv = torch.cat([inp.kv_c_fp8.double() * inp.kv_scale, inp.kv_cache[..., bd.L :].double()], -1)
+    outs = []
+    for b in range(case.batch):
+        n = int(inp.lengths[b])
+        rows = kv[inp.block_table[b].long()].view(-1, bd.L + bd.R)[:n]
+        q = inp.q[b].double()  # [S_q, H, L+R]
+        s = torch.einsum("shd,td->sht", q, rows) * bd.SCALE
+        last = n - case.s_q + torch.arange(case.s_q, device=q.device)
+        mask = torch.arange(n, device=q.device)[None, :] <= last[:, None]
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        outs.append(torch.einsum("sht,tl->shl", s.softmax(-1), rows[:, : bd.L]))
+    return torch.stack(outs)
+
+
+class CacheView:
+    """An ``Inputs`` copy whose decode reads ``(kv_c, k_pe)`` in another layout (same values)."""
+
+    def __init__(self, inp: bd.Inputs, layout: str) -> None:
+        self.__dict__.update(inp.__dict__)
+        k_pe = inp.kv_cache[..., bd.L :]  # [pages, page_size, R] bf16, a strided view
+        if layout == "bf16":  # the bf16 cache the float8 one was quantised from
+            self.kv_c_fp8, self.kv_scale = None, None
+            self.pair = (inp.kv_cache[..., : bd.L], k_pe)
+        elif layout == "strided k_pe":  # bench_decode's a8
+            self.pair = (inp.kv_c_fp8, k_pe)
+        elif layout == "contiguous k_pe":
+            self.pair = (inp.kv_c_fp8, k_pe.contiguous())
+        elif layout == "640-byte rows":
+            pages, page_size, _ = k_pe.shape
+            rows = torch.empty(pages, page_size, bd.L + 2 * bd.R, dtype=torch.uint8, device="cuda")
+            rows[..., : bd.L] = inp.kv_c_fp8.view(torch.uint8)
+            rows[..., bd.L :] = k_pe.contiguous().view(torch.uint8)
+            self.pair = (
+                rows[..., : bd.L].view(inp.kv_c_fp8.dtype),
+                rows[..., bd.L :].view(k_pe.dtype),
+            )
+        else:
+            raise ValueError(f"layout: unknown {layout!r}")
+
+    def decode_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pair
+
+    op_args = bd.Inputs.op_args
+
+
+LAYOUTS = ("bf16", "strided k_pe", "contiguous k_pe", "640-byte rows")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="a8")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    ceil = bd.ceilings()
+    rows = []
+    for name in args.cases.split(","):
+        case = bd.CASES[name]
+        copies = bd.input_copies(case, props.L2_cache_size)
+        plan = bd.planned(case, copies[0])
+        ref = dequantised_reference(copies[0], case)
+        # Roofline floors of the bytes each reads: float8 rows, and the bf16 rows of the reference.
+        floor = bd.floor_seconds(case, ceil)
+        floor_bf16 = bd.floor_seconds(replace(case, fp8=False), ceil)
+        row = dict(case=name, num_splits=plan[0], total_splits=plan[1], floor_us=floor * 1e6)
+        for layout in LAYOUTS:
+            views = [CacheView(inp, layout) for inp in copies]
+            fns = [bd.wgmma_call(v, *plan) for v in views]
+            seconds, err = bd.time_call(fns, None if layout == "bf16" else ref)
+            own_floor = floor_bf16 if layout == "bf16" else floor
+            row[layout] = dict(us=seconds * 1e6, rel_err=err, roofline=own_floor / seconds)
+            print(name, layout, f"{seconds * 1e6:.1f} us", f"err {err:.1e}", flush=True)
+            del views, fns
+        rows.append(row)
+        del copies
+        torch.cuda.empty_cache()
+    bd.save_experiment(args.out, "fp8_layout", ceil, rows)
+    print(f"\n{props.name}; torch {torch.__version__}, triton {triton.__version__}; {ceil}")
+    for r in rows:
+        base = r["bf16"]["us"]
+        for layout in LAYOUTS:
+            v = r[layout]
+            print(
+                f"{r['case']:4} {layout:16} {v['us']:8.1f} us  {base / v['us']:5.2f}x of bf16  "
+                f"{v['roofline']:.2f} of its roofline  err {v['rel_err']:.1e}"
+            )
+
+
+if __name__ == "__main__":
+    main()
