@@ -182,13 +182,17 @@ def decode_out(inp: Inputs) -> torch.Tensor:
     )[0]  # fmt: skip
 
 
-def reference(inp: Inputs, case: Case) -> torch.Tensor:
-    """float32 masked attention, one sequence at a time (keeps memory small)."""
+def reference(
+    inp: Inputs, case: Case, kv_cache: torch.Tensor | None = None, dtype=torch.float32
+) -> torch.Tensor:
+    """Causal attention in ``dtype`` (float32 by default), one sequence at a time (keeps memory
+    small), over ``kv_cache [pages, page_size, L+R]`` (default: the copy's bf16 cache)."""
+    cache = inp.kv_cache if kv_cache is None else kv_cache
     outs = []
     for b in range(case.batch):
         n = int(inp.lengths[b])
-        rows = inp.kv_cache[inp.block_table[b].long()].view(-1, L + R)[:n].float()
-        q = inp.q[b].float()  # [S_q, H, L+R]
+        rows = cache[inp.block_table[b].long()].view(-1, L + R)[:n].to(dtype)
+        q = inp.q[b].to(dtype)  # [S_q, H, L+R]
         s = torch.einsum("shd,td->sht", q, rows) * SCALE
         last = n - case.s_q + torch.arange(case.s_q, device=q.device)
         mask = torch.arange(n, device=q.device)[None, :] <= last[:, None]

@@ -30,17 +30,7 @@ def dequantised_reference(inp: bd.Inputs, case: bd.Case) -> torch.Tensor:
     """float64 causal attention over the dequantised float8 cache, one sequence at a time (what
     the kernel must reproduce; ``bench_decode.reference`` with the cache the kernel reads)."""
     kv = torch.cat([inp.kv_c_fp8.double() * inp.kv_scale, inp.kv_cache[..., bd.L :].double()], -1)
-    outs = []
-    for b in range(case.batch):
-        n = int(inp.lengths[b])
-        rows = kv[inp.block_table[b].long()].view(-1, bd.L + bd.R)[:n]
-        q = inp.q[b].double()  # [S_q, H, L+R]
-        s = torch.einsum("shd,td->sht", q, rows) * bd.SCALE
-        last = n - case.s_q + torch.arange(case.s_q, device=q.device)
-        mask = torch.arange(n, device=q.device)[None, :] <= last[:, None]
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
-        outs.append(torch.einsum("sht,tl->shl", s.softmax(-1), rows[:, : bd.L]))
-    return torch.stack(outs)
+    return bd.reference(inp, case, kv_cache=kv, dtype=torch.float64)
 
 
 class CacheView:
