@@ -348,17 +348,23 @@ def _hand_back(
 
 
 @gluon.jit
-def _convert_tile(
-    src, dst, tile_start, end, BLOCK_N: gl.constexpr, L: gl.constexpr, CHUNK: gl.constexpr,
-    layout: gl.constexpr,
+def _convert_chunk(
+    src, dst, c: gl.constexpr, tile_start, end, CHUNK: gl.constexpr, layout: gl.constexpr
 ):  # fmt: skip
-    """float8 tile ``src [BLOCK_N, L]`` -> fp16 ``dst`` (exact), ``CHUNK`` columns at a time (the
-    registers of one chunk, not the whole tile); rows at or past ``end`` become 0."""
-    rows = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    keep = (rows < end)[:, None]
-    for c in gl.static_range(0, L, CHUNK):
+    """Columns ``[c, c + CHUNK)`` of the float8 tile ``src [BLOCK_N, L]`` -> fp16 ``dst``
+    (exact); rows at or past ``end`` become 0."""
+    BLOCK_N: gl.constexpr = src.shape[0]
+    if tile_start + BLOCK_N > end:
+        # The split's last tile: its rows past end are stale (maybe NaN).
+        rows = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
         x = src.slice(c, CHUNK, dim=1).load(layout).to(gl.float16)
-        dst.slice(c, CHUNK, dim=1).store(gl.where(keep, x, gl.zeros_like(x)))
+        dst.slice(c, CHUNK, dim=1).store(gl.where((rows < end)[:, None], x, gl.zeros_like(x)))
+    else:
+        # Every other tile without the select, converted in this branch of its own: a select per
+        # 16-bit value (or a conversion shared with the branch that selects) costs the unpacking
+        # of each converted pair and its repacking, 4.5 more instructions per pair in the sm_90
+        # SASS (791 instead of 178 per thread and tile; NOTES.md item 37).
+        dst.slice(c, CHUNK, dim=1).store(src.slice(c, CHUNK, dim=1).load(layout).to(gl.float16))
 
 
 @gluon.jit
@@ -396,25 +402,29 @@ def _tile_scores(
     """Wait for the tile at ring position ``pos`` (``_await_tile``); its scores ``S^T = K Q^T``
     (complete).
 
-    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) and the
-    scores read it there; its nope scores take ``nope_scale`` (kv_scale and the query's power of
-    two) in float32, apart from the RoPE part's, so the fp16 query needs no rounding.
+    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) a chunk
+    at a time, each chunk's share of the scores issued as soon as it is there; its nope scores
+    take ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
+    part's, so the fp16 query needs no rounding.
     """
-    BLOCK_N: gl.constexpr = s_zero.shape[0]
     slot = pos % NUM_STAGES
     kv = _await_tile(
         kv_ring, ready, pos, tile_start, end, NUM_STAGES, GATHER, not KV_FP8, io_layout
     )
     q_t = q_smem.permute((1, 0))
     if KV_FP8:
-        _convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, conv_layout)
-        fence_async_shared()
-        s_t = warpgroup_mma(stage, q_t, s_zero, use_acc=False, is_async=True)
         if HAS_PE:
+            # The RoPE scores need no conversion: the tensor cores run them while the warps
+            # convert.
             s_pe = warpgroup_mma(
                 pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False,
                 is_async=True,
             )  # fmt: skip
+        for c in gl.static_range(0, L, CHUNK):
+            _convert_chunk(kv_ring.index(slot), stage, c, tile_start, end, CHUNK, conv_layout)
+        fence_async_shared()
+        s_t = warpgroup_mma(stage, q_t, s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
             s_t, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, s_pe))
             s_t = s_t * nope_scale + s_pe
         else:
@@ -602,7 +612,14 @@ def _consume_tiles(
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(0, s_layout)
     )
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    if KV_FP8:
+        # The running sum as per-thread partial sums shaped like the scores, summed across the
+        # four warps once after the loop instead of once per tile: 5 % of a float8 tile's time
+        # (its loop is bound by this warpgroup's serial chain); a 16-bit tile's loop, bound by
+        # its copies, measured 0.8 % slower with it on (d) (NOTES.md item 37).
+        l_i = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
+    else:
+        l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
     o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -654,6 +671,8 @@ def _consume_tiles(
                 io_layout,
             )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
+    if KV_FP8:
+        l_i = gl.sum(l_i, 0)
     return o_t, m_i, l_i, n_bad
 
 

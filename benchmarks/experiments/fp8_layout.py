@@ -8,7 +8,11 @@ part). The same values in the three layouts, the op's tiling, the planner's plan
 ``mla::combine``; CUDA-graph replays of rotated inputs, ``bench_decode``'s clean-L2 timer. Every
 float8 output is checked against float64 attention over the dequantised cache first.
 
-    python benchmarks/experiments/fp8_layout.py --out $OUT
+    python benchmarks/experiments/fp8_layout.py --out $OUT [--cases a8,b8]
+
+It also serves as the A/B harness of NOTES.md item 37: ``--cases`` takes ``X8`` (case ``X`` over
+a float8 cache, e.g. ``b8``: 128 heads) and plain 16-bit cases (``d``; with ``--layouts bf16``),
+``--layouts`` a subset, ``--stages`` the float8 kernel's ring slots.
 """
 
 from __future__ import annotations
@@ -67,26 +71,44 @@ class CacheView:
 LAYOUTS = ("bf16", "strided k_pe", "contiguous k_pe", "640-byte rows")
 
 
+def case_named(name: str) -> bd.Case:
+    """A ``bench_decode`` case, or ``X8``: case ``X`` over a float8 cache (``b8``: 128 heads)."""
+    if name in bd.CASES:
+        return bd.CASES[name]
+    if name.endswith("8") and name[:-1] in bd.CASES:
+        return replace(bd.CASES[name[:-1]], name=name, fp8=True)
+    raise ValueError(f"--cases: unknown case {name!r}; expected one of {sorted(bd.CASES)} or X8")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="a8")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="a subset of " + ",".join(LAYOUTS))
+    ap.add_argument(
+        "--stages", type=int, default=None,
+        help="ring slots of the float8 layouts' kernel (default: the op's wgmma_stages)",
+    )  # fmt: skip
     args = ap.parse_args()
+    layouts = args.layouts.split(",")
+    if unknown := set(layouts) - set(LAYOUTS):
+        ap.error(f"--layouts: unknown {sorted(unknown)}; expected some of {LAYOUTS}")
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
     for name in args.cases.split(","):
-        case = bd.CASES[name]
+        case = case_named(name)
         copies = bd.input_copies(case, props.L2_cache_size)
         plan = bd.planned(case, copies[0])
-        ref = dequantised_reference(copies[0], case)
+        ref = dequantised_reference(copies[0], case) if case.fp8 else None
         # Roofline floors of the bytes each reads: float8 rows, and the bf16 rows of the reference.
         floor = bd.floor_seconds(case, ceil)
         floor_bf16 = bd.floor_seconds(replace(case, fp8=False), ceil)
         row = dict(case=name, num_splits=plan[0], total_splits=plan[1], floor_us=floor * 1e6)
-        for layout in LAYOUTS:
+        for layout in layouts:
             views = [CacheView(inp, layout) for inp in copies]
-            fns = [bd.wgmma_call(v, *plan) for v in views]
+            ring = {} if args.stages is None or layout == "bf16" else {"num_stages": args.stages}
+            fns = [bd.wgmma_call(v, *plan, **ring) for v in views]
             seconds, err = bd.time_call(fns, None if layout == "bf16" else ref)
             own_floor = floor_bf16 if layout == "bf16" else floor
             row[layout] = dict(us=seconds * 1e6, rel_err=err, roofline=own_floor / seconds)
@@ -98,8 +120,8 @@ def main() -> None:
     bd.save_experiment(args.out, "fp8_layout", ceil, rows)
     print(f"\n{props.name}; torch {torch.__version__}, triton {triton.__version__}; {ceil}")
     for r in rows:
-        base = r["bf16"]["us"]
-        for layout in LAYOUTS:
+        base = r["bf16"]["us"] if "bf16" in r else float("nan")
+        for layout in layouts:
             v = r[layout]
             print(
                 f"{r['case']:4} {layout:16} {v['us']:8.1f} us  {base / v['us']:5.2f}x of bf16  "

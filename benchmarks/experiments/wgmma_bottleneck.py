@@ -82,8 +82,7 @@ NO_MMA = [
 # A float8 tile is not converted: the scores and P.V read a stale fp16 staging tile.
 NO_CONVERT = [
     (
-        "_convert_tile(kv_ring.index(slot), stage, tile_start, end, BLOCK_N, L, CHUNK, "
-        "conv_layout)",
+        "_convert_chunk(kv_ring.index(slot), stage, c, tile_start, end, CHUNK, conv_layout)",
         "pass",
     )
 ]

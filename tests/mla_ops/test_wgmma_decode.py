@@ -601,7 +601,8 @@ def test_compiles_to_wgmma_for_sm90(
     (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
     most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
     SM; 64 rows with the query rows on either MMA side. Over a float8 cache at 16 rows, the three
-    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2``. Merging
+    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches
+    (with and without the stale-row select). Merging
     (``mla::attention``): exactly one release-acquire arrival, partials read past L1."""
     from mla_ops import triton_kernels
 
@@ -644,6 +645,10 @@ def test_compiles_to_wgmma_for_sm90(
     assert (res["m64n256"] > 0) == on_m, res
     if float8:
         assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
+        # The tile converted in two branches (NOTES.md item 37): a split's last tile zeroes its
+        # stale rows with a select, every other tile converts without one (a select shared by
+        # both would unpack every converted pair). One branch is 64 x 512 / 2 cvt per warpgroup.
+        assert res["cvt_e4m3"] == 2 * 64 * 512 // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
 
 
