@@ -402,9 +402,9 @@ def _tile_scores(
     """Wait for the tile at ring position ``pos`` (``_await_tile``); its scores ``S^T = K Q^T``
     (complete).
 
-    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) a chunk
-    at a time, each chunk's share of the scores issued as soon as it is there; its nope scores
-    take ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
+    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) while
+    the tensor cores run its RoPE scores, and the nope scores read it there; they take
+    ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
     part's, so the fp16 query needs no rounding.
     """
     slot = pos % NUM_STAGES

@@ -647,7 +647,8 @@ def test_compiles_to_wgmma_for_sm90(
         assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
         # The tile converted in two branches (NOTES.md item 37): a split's last tile zeroes its
         # stale rows with a select, every other tile converts without one (a select shared by
-        # both would unpack every converted pair). One branch is 64 x 512 / 2 cvt per warpgroup.
+        # both would unpack every converted pair). Each branch converts the 64 x 512 tile two
+        # values per cvt, spread over all the kernel's threads.
         assert res["cvt_e4m3"] == 2 * 64 * 512 // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
 
