@@ -75,6 +75,38 @@ def split_bounds(
     return start, end
 
 
+def longest_first_order(
+    seqlen: torch.Tensor, num_splits: int, total_splits: int, chunk_tokens: int = SPLIT_GRANULE
+) -> torch.Tensor:
+    """The chunk each decode program takes in the wgmma kernel's longest-first order
+    (``wgmma_decode.default_longest_first``): ``[B * num_splits, 2]`` of ``(sequence, split)``,
+    by program (row blocks aside). ``seqlen``: ``[B]`` lengths; chunks as ``split_bounds`` cuts
+    them, measured in ``chunk_tokens``-token tiles.
+
+    Equal lengths keep the split-major order (every sequence's first chunk, then every second
+    one, ...), which is already longest first. Otherwise: every full chunk, sequence by sequence;
+    then the partial last chunks, most tiles first (ties in sequence order); then the empty ones.
+    Blocks are dispatched about in program order, so long chunks start in the first wave and the
+    programs that start late are the short ones (longest processing time first).
+    """
+    batch = seqlen.numel()
+    seqlen = seqlen.long().cpu()
+    seq = torch.arange(batch).repeat(num_splits)
+    split = torch.arange(num_splits).repeat_interleave(batch)
+    split_major = torch.stack([seq, split], 1)
+    if batch == 0 or bool((seqlen == seqlen[0]).all()):
+        return split_major
+    start, end = split_bounds(seqlen, num_splits, total_splits)
+    tokens = (end - start).clamp_min(0)  # [B, splits]
+    tiles = (tokens + chunk_tokens - 1) // chunk_tokens
+    full = tokens == split_len(seqlen, num_splits, total_splits).unsqueeze(1)
+    partial = ~full & (tokens > 0)
+    parts = sorted(partial.nonzero().tolist(), key=lambda bs: (-int(tiles[bs[0], bs[1]]), bs[0]))
+    # nonzero() walks [B, splits] sequence by sequence.
+    order = full.nonzero().tolist() + parts + (~full & ~partial).nonzero().tolist()
+    return torch.tensor(order, dtype=torch.long).view(-1, 2)
+
+
 def _multiprocessor_count(device_index: int) -> int:
     # torch caches device properties; no functools.cache here, which dynamo would warn about.
     return torch.cuda.get_device_properties(device_index).multi_processor_count

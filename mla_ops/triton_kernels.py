@@ -829,6 +829,10 @@ def _launch_wgmma(
     LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
     rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
     LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
+    longest_first = wgmma_decode.default_longest_first(
+        q.shape[0], total_splits, LENGTHS_PER_STEP, rows_on_m
+    )
+    LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
     with torch.cuda.device(q.device):
         LAST_LAUNCH["decode"] = wgmma_decode.launch(
             q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
@@ -836,6 +840,7 @@ def _launch_wgmma(
             num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
             lengths_per_step=LENGTHS_PER_STEP, gather=loads == "gather", fill_empty=fill_empty,
             producer_warps=producer_warps, rows_on_m=rows_on_m, merge_into=merge_into,
+            longest_first=longest_first,
         )  # fmt: skip
 
 

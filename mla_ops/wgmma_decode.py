@@ -132,6 +132,76 @@ def _stamp(STAMP_ROW, slot: gl.constexpr, ON: gl.constexpr):
 
 
 @gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _sum_min_max(total_a, low_a, high_a, total_b, low_b, high_b):
+    return total_a + total_b, gl.minimum(low_a, low_b), gl.maximum(high_a, high_b)
+
+
+@gluon.jit
+def _longest_first(
+    SEQLENS, work, batch, num_splits, balanced, MIN_CHUNK: gl.constexpr, GRANULE: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    """``(split, sequence, its length)`` of the chunk that program ``work`` (its index without
+    the row blocks) takes, for ``batch <= BLOCK_B`` sequences cut as ``planner.split_bounds``
+    cuts them: all full chunks, sequence by sequence; then the partial last chunks, longest first
+    (ties in sequence order); then the empty chunks. The blocks are dispatched roughly in program
+    order, so the long chunks start in the first wave and the late programs are the short ones
+    (longest processing time first; ragged case (e), NOTES.md item 39)."""
+    # Sequences on the lanes; a [16, BLOCK_B] block compares 16 sequences' partials with all.
+    lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    pair_layout: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, num_warps], [0, 1])
+    col_layout: gl.constexpr = gl.SliceLayout(0, pair_layout)
+    seq = gl.arange(0, BLOCK_B, layout=lane_layout)
+    length = gl.load(SEQLENS + seq, mask=seq < batch, other=0)
+    chunk = gl.maximum(gl.cdiv(gl.cdiv(length, num_splits), GRANULE) * GRANULE, balanced)
+    chunk = gl.maximum(chunk, MIN_CHUNK)
+    full = length // chunk
+    rest = length - full * chunk
+    part_tiles = gl.cdiv(rest, BLOCK_N)  # 0: no partial chunk
+    has_part = (rest > 0).to(gl.int32)
+    empty = gl.where(seq < batch, num_splits - full - has_part, 0)
+    # One scan for both counts: at most 64 chunks x 128 sequences each, 16 bits apiece.
+    counts = full + (empty << 16)
+    before = gl.associative_scan(counts, 0, _add) - counts
+    totals = gl.max(before + counts, 0)
+    full_before = before & 0xFFFF
+    empty_before = before >> 16
+    n_full = totals & 0xFFFF
+    n_part = batch * num_splits - n_full - (totals >> 16)
+    is_full = (work >= full_before) & (work < full_before + full)
+    r_empty = work - n_full - n_part
+    is_empty = (r_empty >= empty_before) & (r_empty < empty_before + empty)
+    split = gl.where(is_empty, full + has_part + r_empty - empty_before, full)
+    split = gl.where(is_full, work - full_before, split)
+    match = is_full | is_empty
+    tiles_smem = gl.allocate_shared_memory(
+        gl.int32, [BLOCK_B], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    )
+    if (work >= n_full) & (work < n_full + n_part):
+        # Rank of each partial among the partials: longer first, then lower sequence index.
+        tiles_smem.store(part_tiles)
+        _thread_barrier()
+        t2 = gl.expand_dims(gl.convert_layout(part_tiles, col_layout), 0)
+        s2 = gl.expand_dims(gl.arange(0, BLOCK_B, layout=col_layout), 0)
+        rank = gl.zeros([BLOCK_B], gl.int32, layout=col_layout)
+        for i0 in gl.static_range(0, BLOCK_B, 16):
+            o2 = gl.expand_dims(tiles_smem.slice(i0, 16).load(gl.SliceLayout(1, pair_layout)), 1)
+            os2 = gl.expand_dims(i0 + gl.arange(0, 16, layout=gl.SliceLayout(1, pair_layout)), 1)
+            ahead = (o2 > t2) | ((o2 == t2) & (os2 < s2))
+            rank += gl.sum(ahead.to(gl.int32), 0)
+        rank = gl.convert_layout(rank, lane_layout)
+        match = match | ((has_part > 0) & (rank == work - n_full))
+    # Exactly one lane matches; its sequence, split and length in one reduction.
+    found = gl.max(gl.where(match, seq * 128 + split, -1), 0)
+    return found % 128, found // 128
+
+
+@gluon.jit
 def _store_partial_t(
     O_PART, LSE_PART, out_t, lse, b64, s_idx, h_idx, split, offs_l, row_ok,
     stride_ob, stride_os, stride_oh, stride_ok, stride_od,
@@ -772,6 +842,7 @@ def _mla_decode_wgmma_kernel(
     LSE_OUT,  # MERGE: [B, S_q, H] float32
     ARRIVALS,  # MERGE: [B * row blocks] int32, zero before the launch and after it
     STAMP_BUF,  # STAMPS: [programs, STAMP_SLOTS] int64
+    ORDER,  # ORDERED: [B * num_splits] int32, the (split * B + sequence) program pid // rows runs
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
     KV,  # kv_c [num_pages, page_size, L] (GATHER)
@@ -814,6 +885,8 @@ def _mla_decode_wgmma_kernel(
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
+    ORDERED: gl.constexpr,  # programs take their (split, sequence) from ORDER
+    LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
     num_warps: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
@@ -845,28 +918,49 @@ def _mla_decode_wgmma_kernel(
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
-    # Splits vary slowest in the launch order: every sequence's first chunk, then every second
-    # one, ... The real programs of a uniform batch fill the first wave and the planner's empty
-    # headroom splits run on what is left. Without the empty splits' zeros this beat splits
-    # varying fastest on the ragged (e) by 3-3.5 % and on (d) by 0.7-0.9 %, and tied on (a)
-    # (two H100 runs, NOTES.md item 26).
+    # Which chunk (split, sequence) this program takes. LONGEST_FIRST (a balanced plan): every
+    # sequence's full chunks, then the partial last chunks longest first, then the empty ones
+    # (_longest_first). Otherwise splits vary slowest: every sequence's first chunk, then every
+    # second one, ... (a uniform batch's real programs fill the first wave; NOTES.md item 26).
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
-    split = pid // (batch * num_row_blocks)
-    pid_bm = pid % (batch * num_row_blocks)
-    b = pid_bm // num_row_blocks
-    row_block = pid_bm % num_row_blocks
+    work = pid // num_row_blocks
+    row_block = pid % num_row_blocks
+    if BALANCED:
+        total = gl.zeros([BLOCK_B], dtype=gl.int64, layout=len_layout)
+        if LONGEST_FIRST:
+            # batch <= BLOCK_B: one step, which also finds whether every length is the same.
+            offs_b = gl.arange(0, BLOCK_B, layout=len_layout)
+            length = gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0)
+            shortest = gl.where(offs_b < batch, length, 2147483647)
+            total, shortest, longest = gl.reduce(
+                (length.to(gl.int64), shortest, length), 0, _sum_min_max
+            )
+        else:
+            for b0 in range(0, batch, BLOCK_B):
+                offs_b = b0 + gl.arange(0, BLOCK_B, layout=len_layout)
+                total += gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(gl.int64)
+            total = gl.sum(total, 0)
+        balanced = gl.cdiv(gl.cdiv(total, total_splits), GRANULE) * GRANULE
+        balanced = balanced.to(gl.int32)
+    if ORDERED:
+        work = gl.load(ORDER + work)
+    # Splits vary slowest: every sequence's first chunk, then every second one, ... With equal
+    # lengths that is already longest first (full chunks, then partial ones, then empty ones).
+    split = work // batch
+    b = work % batch
+    if LONGEST_FIRST:  # noqa: SIM102 (``shortest`` exists in LONGEST_FIRST builds only)
+        if shortest != longest:
+            split, b = _longest_first(
+                SEQLENS, work, batch, num_splits, balanced, MIN_CHUNK, GRANULE, BLOCK_N, BLOCK_B,
+                num_warps,
+            )  # fmt: skip
+    seqlen = gl.load(SEQLENS + b)
     b64 = b.to(gl.int64)
 
     # This split's token range (same formula as planner.split_bounds).
-    seqlen = gl.load(SEQLENS + b)
     per_split = gl.cdiv(gl.cdiv(seqlen, num_splits), GRANULE) * GRANULE
     if BALANCED:
-        total = gl.zeros([BLOCK_B], dtype=gl.int64, layout=len_layout)
-        for b0 in range(0, batch, BLOCK_B):
-            offs_b = b0 + gl.arange(0, BLOCK_B, layout=len_layout)
-            total += gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(gl.int64)
-        balanced = gl.cdiv(gl.cdiv(gl.sum(total, 0), total_splits), GRANULE) * GRANULE
-        per_split = gl.maximum(per_split, balanced.to(gl.int32))
+        per_split = gl.maximum(per_split, balanced)
     chunk = gl.maximum(per_split, MIN_CHUNK)
     start = split * chunk
     end = gl.minimum(start + chunk, seqlen)
@@ -1067,6 +1161,7 @@ def _mla_decode_wgmma_kernel(
             # (the scalar atomic's result reaches every thread through shared memory and a
             # barrier) and puts the count back to 0 for the next launch.
             _thread_barrier()
+            pid_bm = b * num_row_blocks + row_block
             arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
             if arrived == n_real - 1:
                 gl.store(ARRIVALS + pid_bm, 0)
@@ -1119,6 +1214,17 @@ def default_rows_on_m(block_m: int, num_warps: int, float8: bool) -> bool:
     return block_m == 64 and num_warps == 8 and not float8
 
 
+def default_longest_first(
+    batch: int, total_splits: int | None, lengths_per_step: int, rows_on_m: bool
+) -> bool:
+    """Whether programs take the batch's chunks longest first (``_longest_first``): for a
+    balanced plan (``total_splits``) of at most ``lengths_per_step`` sequences (one block of
+    lanes ranks them). Programs with the rows on M keep the split-major order: with the chunk
+    held in registers across their loop, ptxas spilled 168 bytes of them (offline sm_90 compile,
+    Triton 3.6; NOTES.md item 39)."""
+    return total_splits is not None and batch <= lengths_per_step and not rows_on_m
+
+
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
     """Gluon TMA descriptor of a paged ``[num_pages, page_size, W]`` cache as ``[tokens, W]``."""
     rows, width = t.shape[0] * t.shape[1], t.shape[2]
@@ -1152,6 +1258,8 @@ def launch(
     rows_on_m: bool | None = None,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
+    longest_first: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -1160,7 +1268,8 @@ def launch(
     its zero ``out`` (False: only its ``lse = -inf``). producer_warps: warps of a partition of
     their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
     rows_on_m: the query rows on the MMA's M side (``_consume_rows_on_m``; None:
-    ``default_rows_on_m``).
+    ``default_rows_on_m``). longest_first: programs take the chunks longest first
+    (``_longest_first``; None: ``default_longest_first``), else split-major.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -1175,6 +1284,13 @@ def launch(
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     batch, s_q, heads, _ = q.shape
+    if longest_first is None:
+        longest_first = default_longest_first(batch, total_splits, lengths_per_step, rows_on_m)
+    if longest_first and not (total_splits is not None and batch <= lengths_per_step):
+        raise ValueError(
+            f"longest_first needs a balanced plan (total_splits, got {total_splits}) of at most "
+            f"lengths_per_step={lengths_per_step} sequences (got {batch})"
+        )
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     if gather:
         kv_desc = pe_desc = None
@@ -1209,6 +1325,7 @@ def launch(
         final_lse,
         arrivals,
         stamps if stamps is not None else arrivals,
+        order if order is not None else arrivals,
         kv_desc,
         pe_desc,
         kv_c,
@@ -1251,5 +1368,7 @@ def launch(
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         STAMPS=stamps is not None,
+        ORDERED=order is not None,
+        LONGEST_FIRST=longest_first,
         num_warps=num_warps,
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mla_ops
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds
+from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds, split_len
 from tests.conftest import HAS_CUDA, requires_cuda
 from tests.mla_ops.cases import assert_matches, make_case, poison_hidden_keys
 
@@ -134,6 +134,40 @@ def test_split_bounds_cover_each_sequence(num_splits: int, total_splits: int | N
         assert covered == list(range(length))
         nonempty = int((end[b] > start[b]).sum())
         assert nonempty <= max(1, -(-length // MIN_CHUNK))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_longest_first_order(seed: int) -> None:
+    """The wgmma kernel's longest-first order (``planner.longest_first_order``): every (sequence,
+    split) once; full chunks first, sequence by sequence; then partial chunks by tiles, most
+    first; then the empty ones. Equal lengths keep the split-major order."""
+    from mla_ops.planner import longest_first_order
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(2, 129, (1,), generator=gen))
+    lengths = torch.randint(0, 9000, (batch,), generator=gen)
+    lengths[: batch // 4] = 0 if seed % 2 else 2048  # empty sequences, or whole chunks
+    num_splits, total_splits = 4, max(1, batch * 2 - 7)
+    order = longest_first_order(lengths, num_splits, total_splits)
+    assert order.shape == (batch * num_splits, 2)
+    flat = order[:, 0] * num_splits + order[:, 1]
+    assert torch.equal(flat.sort().values, torch.arange(batch * num_splits))
+    start, end = split_bounds(lengths, num_splits, total_splits)
+    tokens = (end - start).clamp_min(0)[order[:, 0], order[:, 1]]
+    chunk = split_len(lengths, num_splits, total_splits)[order[:, 0]]
+    tiles = (tokens + SPLIT_GRANULE - 1) // SPLIT_GRANULE
+    n_full = int((tokens == chunk).sum())
+    assert (tokens[:n_full] == chunk[:n_full]).all()
+    assert (order[:n_full].diff(dim=0)[:, 0] >= 0).all()  # sequence by sequence
+    rest = tiles[n_full:]
+    assert (rest.diff() <= 0).all()  # then most tiles first, empty ones last
+    assert (tiles > 0).sum() == (tokens > 0).sum()
+    same = torch.full((batch,), 3000)
+    split_major = torch.stack(
+        [torch.arange(batch).repeat(num_splits), torch.arange(num_splits).repeat_interleave(batch)],
+        1,
+    )
+    assert torch.equal(longest_first_order(same, num_splits, total_splits), split_major)
 
 
 def test_balanced_split_bounds_share_one_chunk_length() -> None:

@@ -343,6 +343,108 @@ def _launch_args(kernels, case) -> tuple:
     )  # fmt: skip
 
 
+LONGEST_FIRST_CASES = [
+    # 16-row programs: TMA tiles, gathered ones (page size 1), a float8 cache.
+    dict(heads=16, s_q=1, page_size=64),
+    dict(heads=16, s_q=1, page_size=1),
+    dict(heads=16, s_q=1, page_size=64, float8=True),
+    # 5 heads x S_q 3 = 15 rows, causal, page size 16 (gathered).
+    dict(heads=5, s_q=3, page_size=16, causal=True),
+    # 32-row programs; 64-row programs over a float8 cache, two row blocks per sequence.
+    dict(heads=32, s_q=1, page_size=64),
+    dict(heads=128, s_q=1, page_size=64, float8=True),
+]  # fmt: skip
+
+
+def _ragged_case(seed: int, heads: int, s_q: int, page_size: int, float8: bool = False, **kw):
+    """40 sequences of ragged lengths (empty ones, tile edges, whole chunks) on a balanced plan
+    whose chunks are 320 tokens: most sequences have full chunks and a partial last one."""
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([0, 1, 63, 64, 65, 320, 640, 700, 1000, 1919]) for _ in range(40)]
+    kw = dict(
+        page_size=page_size, dims=(512, 64), heads=heads, s_q=s_q, lengths=lengths,
+        num_splits=6, total_splits=60, **kw,
+    )  # fmt: skip
+    if float8:
+        return _fp8_pair_case(seed, torch.bfloat16, **kw)
+    return make_case(seed, dtype=torch.bfloat16, device="cuda", **kw)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kw", LONGEST_FIRST_CASES, ids=lambda kw: str(sorted(kw.items())))
+def test_longest_first_matches_split_major(kernels, monkeypatch, kw: dict) -> None:
+    """A ragged batch on a balanced plan: programs take the chunks longest first
+    (``LAST_LAUNCH["wgmma_order"]``), and every partial, the empty splits' zeros and -inf
+    included, is bit-equal to the split-major launch's (each chunk computed once, by whichever
+    program); output and LSE match the float64 reference."""
+    from mla_ops import wgmma_decode
+
+    case = _ragged_case(61, **kw)
+    out_lf, lse_lf = kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["wgmma_order"] == "longest-first"
+    monkeypatch.setattr(wgmma_decode, "default_longest_first", lambda *args: False)
+    out_sm, lse_sm = kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["wgmma_order"] == "split-major"
+    assert not torch.isnan(lse_lf).any() and not torch.isnan(out_lf).any()
+    assert torch.equal(lse_lf, lse_sm) and torch.equal(out_lf, out_sm)
+    out, lse = kernels.combine(out_lf, lse_lf, case.q.dtype)
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("equal_lengths", [False, True])
+def test_longest_first_order_is_the_planners(kernels, monkeypatch, equal_lengths: bool) -> None:
+    """The kernel's order, read from the phase stamps' tile counts by program, is
+    ``planner.longest_first_order``'s: with ragged lengths, full chunks, then partial ones by
+    tiles, then empty ones; with equal lengths, split-major."""
+    import functools
+
+    from mla_ops import planner, wgmma_decode
+
+    case = _ragged_case(62, heads=16, s_q=1, page_size=64)
+    if equal_lengths:
+        case.cache_seqlens.fill_(700)
+    programs = case.q.shape[0] * case.num_splits
+    stamps = torch.zeros(programs, wgmma_decode.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
+    monkeypatch.setattr(
+        wgmma_decode, "launch", functools.partial(wgmma_decode.launch, stamps=stamps)
+    )
+    kernels.decode(*case.op_args())
+    assert kernels.LAST_LAUNCH["wgmma_order"] == "longest-first"
+    lengths = case.cache_seqlens.cpu()
+    order = planner.longest_first_order(lengths, case.num_splits, case.total_splits)
+    start, end = planner.split_bounds(lengths, case.num_splits, case.total_splits)
+    tiles = (end - start).clamp_min(0)[order[:, 0], order[:, 1]]
+    tiles = (tiles + wgmma_decode.BLOCK_N - 1) // wgmma_decode.BLOCK_N
+    stamped = stamps[:, wgmma_decode.STAMP_FIELDS.index("tiles")].cpu()
+    assert torch.equal(stamped, tiles.long())
+    if not equal_lengths:
+        assert not torch.equal(order[:, 1], torch.arange(programs) // case.q.shape[0])
+
+
+def test_longest_first_default() -> None:
+    """Longest first for a balanced plan of at most ``LENGTHS_PER_STEP`` sequences, except in
+    programs with the rows on M; ``launch`` refuses it where the kernel cannot rank."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mla_ops import triton_kernels, wgmma_decode
+
+    step = triton_kernels.LENGTHS_PER_STEP
+    assert wgmma_decode.default_longest_first(64, 128, step, rows_on_m=False)
+    assert wgmma_decode.default_longest_first(step, 1, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(step + 1, 128, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(64, None, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(64, 128, step, rows_on_m=True)
+    q = torch.zeros(2, 1, 16, 576)
+    args = (q, q[..., :512], q[..., 512:], torch.ones(2, dtype=torch.int32), None, None, None)
+    with pytest.raises(ValueError, match="longest_first needs a balanced plan"):
+        wgmma_decode.launch(
+            *args, 1.0, None, False, 2, None, 16, 4, 2, 256, 64, step, longest_first=True
+        )
+
+
 MERGE_CASES = [
     # 16-row programs: sequences in 0, 1, 2, 3 and 4 chunks (chunks of >= 256 tokens).
     dict(heads=16, s_q=1, page_size=64, lengths=[0, 1, 300, 700, 2000], num_splits=4),
@@ -651,6 +753,28 @@ def test_compiles_to_wgmma_for_sm90(
         # values per cvt, spread over all the kernel's threads.
         assert res["cvt_e4m3"] == 2 * 64 * 512 // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize(("stages", "kv_dtype"), [(2, None), (3, "fp8e4nv")])
+def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: str | None) -> None:
+    """The 16-row kernel of a balanced plan, built longest first: the ranking's shared memory
+    adds nothing to the kernel's, and it spills at most 8 scalars more than the split-major build
+    (Triton 3.6: none either way; Triton 3.9 over a float8 cache: 24 and 56 bytes)."""
+    code = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+        f"print([oc.resources(oc.compile_wgmma(16, {stages}, kv_dtype={kv_dtype!r}, "
+        "balanced=True, longest_first=lf)) for lf in (False, True)])"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    split_major, longest = ast.literal_eval(run.stdout.strip().splitlines()[-1])
+    assert longest["wgmma"] == split_major["wgmma"] > 0, (split_major, longest)
+    assert longest["shared_bytes"] == split_major["shared_bytes"], (split_major, longest)
+    assert longest["spill_bytes"] <= split_major["spill_bytes"] + 32, (split_major, longest)
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
