@@ -102,7 +102,7 @@ def compile_wgmma(
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
-    ordered: bool = False, longest_first: bool = False,
+    longest_first: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -128,7 +128,7 @@ def compile_wgmma(
         ),
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
         ROWS_ON_M=rows_on_m, MERGE=merge, MERGE_SPLITS=4 if merge else 1, STAMPS=stamps,
-        ORDERED=ordered, LONGEST_FIRST=longest_first, num_warps=warps,
+        LONGEST_FIRST=longest_first, num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -148,7 +148,6 @@ def compile_wgmma(
             "LSE_OUT",
             "ARRIVALS",
             "STAMP_BUF",
-            "ORDER",
         ) or (name.startswith("stride_") and name not in const):
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in const:
@@ -163,7 +162,7 @@ def compile_wgmma(
             signature[name] = f"*{dtype}"
         elif name == "KV":
             signature[name] = f"*{kv_dtype or dtype}"
-        elif name in ("SEQLENS", "BLOCK_TABLE", "ARRIVALS", "ORDER"):
+        elif name in ("SEQLENS", "BLOCK_TABLE", "ARRIVALS"):
             signature[name] = "*i32"
         elif name == "STAMP_BUF":
             signature[name] = "*i64"

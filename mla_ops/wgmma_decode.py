@@ -842,7 +842,6 @@ def _mla_decode_wgmma_kernel(
     LSE_OUT,  # MERGE: [B, S_q, H] float32
     ARRIVALS,  # MERGE: [B * row blocks] int32, zero before the launch and after it
     STAMP_BUF,  # STAMPS: [programs, STAMP_SLOTS] int64
-    ORDER,  # ORDERED: [B * num_splits] int32, the (split * B + sequence) program pid // rows runs
     KV_DESC,  # TMA descriptor of kv_c as [num_pages * page_size, L], [BLOCK_N, L] tiles
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
     KV,  # kv_c [num_pages, page_size, L] (GATHER)
@@ -885,7 +884,6 @@ def _mla_decode_wgmma_kernel(
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
-    ORDERED: gl.constexpr,  # programs take their (split, sequence) from ORDER
     LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
     num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -918,49 +916,43 @@ def _mla_decode_wgmma_kernel(
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
-    # Which chunk (split, sequence) this program takes. LONGEST_FIRST (a balanced plan): every
-    # sequence's full chunks, then the partial last chunks longest first, then the empty ones
-    # (_longest_first). Otherwise splits vary slowest: every sequence's first chunk, then every
-    # second one, ... (a uniform batch's real programs fill the first wave; NOTES.md item 26).
+    # Which chunk (split, sequence) this program takes. Splits vary slowest: every sequence's
+    # first chunk, then every second one, ... (a uniform batch's real programs fill the first
+    # wave; NOTES.md item 26). LONGEST_FIRST, over a batch of unequal lengths: every full chunk,
+    # then the partial last chunks longest first, then the empty ones (_longest_first; item 39).
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
     work = pid // num_row_blocks
     row_block = pid % num_row_blocks
-    if BALANCED:
-        total = gl.zeros([BLOCK_B], dtype=gl.int64, layout=len_layout)
-        if LONGEST_FIRST:
-            # batch <= BLOCK_B: one step, which also finds whether every length is the same.
-            offs_b = gl.arange(0, BLOCK_B, layout=len_layout)
-            length = gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0)
-            shortest = gl.where(offs_b < batch, length, 2147483647)
-            total, shortest, longest = gl.reduce(
-                (length.to(gl.int64), shortest, length), 0, _sum_min_max
-            )
-        else:
-            for b0 in range(0, batch, BLOCK_B):
-                offs_b = b0 + gl.arange(0, BLOCK_B, layout=len_layout)
-                total += gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(gl.int64)
-            total = gl.sum(total, 0)
-        balanced = gl.cdiv(gl.cdiv(total, total_splits), GRANULE) * GRANULE
-        balanced = balanced.to(gl.int32)
-    if ORDERED:
-        work = gl.load(ORDER + work)
-    # Splits vary slowest: every sequence's first chunk, then every second one, ... With equal
-    # lengths that is already longest first (full chunks, then partial ones, then empty ones).
     split = work // batch
     b = work % batch
-    if LONGEST_FIRST:  # noqa: SIM102 (``shortest`` exists in LONGEST_FIRST builds only)
+    if LONGEST_FIRST:
+        # A balanced plan of batch <= BLOCK_B: one step sums the lengths and finds whether they
+        # are all equal, when split-major is already longest first (full, partial, empty chunks).
+        offs_b = gl.arange(0, BLOCK_B, layout=len_layout)
+        length = gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0)
+        shortest = gl.where(offs_b < batch, length, 2147483647)
+        total, shortest, longest = gl.reduce(
+            (length.to(gl.int64), shortest, length), 0, _sum_min_max
+        )
+        balanced = gl.cdiv(gl.cdiv(total, total_splits), GRANULE) * GRANULE
         if shortest != longest:
             split, b = _longest_first(
-                SEQLENS, work, batch, num_splits, balanced, MIN_CHUNK, GRANULE, BLOCK_N, BLOCK_B,
-                num_warps,
+                SEQLENS, work, batch, num_splits, balanced.to(gl.int32), MIN_CHUNK, GRANULE,
+                BLOCK_N, BLOCK_B, num_warps,
             )  # fmt: skip
-    seqlen = gl.load(SEQLENS + b)
     b64 = b.to(gl.int64)
 
     # This split's token range (same formula as planner.split_bounds).
+    seqlen = gl.load(SEQLENS + b)
     per_split = gl.cdiv(gl.cdiv(seqlen, num_splits), GRANULE) * GRANULE
     if BALANCED:
-        per_split = gl.maximum(per_split, balanced)
+        if not LONGEST_FIRST:
+            total = gl.zeros([BLOCK_B], dtype=gl.int64, layout=len_layout)
+            for b0 in range(0, batch, BLOCK_B):
+                offs_b = b0 + gl.arange(0, BLOCK_B, layout=len_layout)
+                total += gl.load(SEQLENS + offs_b, mask=offs_b < batch, other=0).to(gl.int64)
+            balanced = gl.cdiv(gl.cdiv(gl.sum(total, 0), total_splits), GRANULE) * GRANULE
+        per_split = gl.maximum(per_split, balanced.to(gl.int32))
     chunk = gl.maximum(per_split, MIN_CHUNK)
     start = split * chunk
     end = gl.minimum(start + chunk, seqlen)
@@ -1258,7 +1250,6 @@ def launch(
     rows_on_m: bool | None = None,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
-    order: torch.Tensor | None = None,
     longest_first: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
@@ -1325,7 +1316,6 @@ def launch(
         final_lse,
         arrivals,
         stamps if stamps is not None else arrivals,
-        order if order is not None else arrivals,
         kv_desc,
         pe_desc,
         kv_c,
@@ -1368,7 +1358,6 @@ def launch(
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         STAMPS=stamps is not None,
-        ORDERED=order is not None,
         LONGEST_FIRST=longest_first,
         num_warps=num_warps,
     )
