@@ -1212,7 +1212,7 @@ def default_longest_first(
     """Whether programs take the batch's chunks longest first (``_longest_first``): for a
     balanced plan (``total_splits``) of at most ``lengths_per_step`` sequences (one block of
     lanes ranks them). Programs with the rows on M keep the split-major order: with the chunk
-    held in registers across their loop, ptxas spilled 168 bytes of them (offline sm_90 compile,
+    held in registers across their loop, ptxas spilled 168-176 bytes (offline sm_90 compile,
     Triton 3.6; NOTES.md item 39)."""
     return total_splits is not None and batch <= lengths_per_step and not rows_on_m
 
