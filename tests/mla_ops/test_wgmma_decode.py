@@ -48,6 +48,20 @@ def _on_hopper() -> bool:
 requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
+def _offline_compile(statements: str):
+    """Run ``statements`` (with ``benchmarks/offline_compile.py`` imported as ``oc``) in a fresh
+    process, which needs Triton's compiler, not the interpreter the suite turns on; returns the
+    literal its last printed line holds."""
+    code = "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code + statements], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return ast.literal_eval(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture
 def kernels(monkeypatch):
     from mla_ops import triton_kernels
@@ -710,8 +724,7 @@ def test_compiles_to_wgmma_for_sm90(
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     gather = page_size % 64 != 0
-    code = (
-        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+    res = _offline_compile(
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
         f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}, merge={merge}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
@@ -719,13 +732,6 @@ def test_compiles_to_wgmma_for_sm90(
         "r['arrive'] = ptx.count('atom.global.gpu.acq_rel.add'); "
         "r['cg'] = ptx.count('ld.global.cg'); print(r)"
     )
-    # A fresh process: compiling needs Triton's compiler, not the interpreter the suite turns on.
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    res = ast.literal_eval(run.stdout.strip().splitlines()[-1])  # the child's dict
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
     if gather:  # every row copy 16 bytes wide
         assert res["tma"] == 0 and res["cp.async"] > 0, res
@@ -761,17 +767,10 @@ def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: s
     """The 16-row kernel of a balanced plan, built longest first: the ranking's shared memory
     adds nothing to the kernel's, and it spills at most 8 scalars more than the split-major build
     (Triton 3.6: none either way; Triton 3.9 over a float8 cache: 24 and 56 bytes)."""
-    code = (
-        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+    split_major, longest = _offline_compile(
         f"print([oc.resources(oc.compile_wgmma(16, {stages}, kv_dtype={kv_dtype!r}, "
         "balanced=True, longest_first=lf)) for lf in (False, True)])"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    split_major, longest = ast.literal_eval(run.stdout.strip().splitlines()[-1])
     assert longest["wgmma"] == split_major["wgmma"] > 0, (split_major, longest)
     assert longest["shared_bytes"] == split_major["shared_bytes"], (split_major, longest)
     assert longest["spill_bytes"] <= split_major["spill_bytes"] + 32, (split_major, longest)
@@ -785,18 +784,9 @@ def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
-    code = (
-        "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+    (plain, plain_spill), (stamped, stamped_spill) = _offline_compile(
         f"r = [oc.compile_wgmma({block_m}, 2, warps={warps}, stamps=s) for s in (False, True)]; "
         "print([(k.asm['ptx'].count('%globaltimer'), oc.resources(k)['spill_bytes']) for k in r])"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    (plain, plain_spill), (stamped, stamped_spill) = ast.literal_eval(
-        run.stdout.strip().splitlines()[-1]
     )
     assert plain == 0 and stamped > 0
     assert stamped_spill < 256 and plain_spill < 256
