@@ -830,7 +830,7 @@ def _launch_wgmma(
     rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
     LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
     longest_first = wgmma_decode.default_longest_first(
-        q.shape[0], total_splits, LENGTHS_PER_STEP, rows_on_m
+        q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m
     )
     LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
     with torch.cuda.device(q.device):

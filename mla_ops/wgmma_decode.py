@@ -97,6 +97,10 @@ STAMP_FIELDS = (
     "tiles",  # not a time: KV tiles of the split (0 for an empty split)
 )
 STAMP_SLOTS = gl.constexpr(16)
+
+# Most splits per sequence that _longest_first ranks: a program's (sequence, split) is packed as
+# sequence * this + split, and its per-sequence chunk counts sum to 16 bits apiece.
+LONGEST_FIRST_MAX_SPLITS = gl.constexpr(128)
 STAMP_ENTRY = gl.constexpr(STAMP_FIELDS.index("entry"))
 STAMP_BOUNDS = gl.constexpr(STAMP_FIELDS.index("bounds"))
 STAMP_QUERY = gl.constexpr(STAMP_FIELDS.index("query"))
@@ -146,12 +150,13 @@ def _longest_first(
     SEQLENS, work, batch, num_splits, balanced, MIN_CHUNK: gl.constexpr, GRANULE: gl.constexpr,
     BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    """``(split, sequence, its length)`` of the chunk that program ``work`` (its index without
-    the row blocks) takes, for ``batch <= BLOCK_B`` sequences cut as ``planner.split_bounds``
-    cuts them: all full chunks, sequence by sequence; then the partial last chunks, longest first
-    (ties in sequence order); then the empty chunks. The blocks are dispatched roughly in program
-    order, so the long chunks start in the first wave and the late programs are the short ones
-    (longest processing time first; ragged case (e), NOTES.md item 39)."""
+    """``(split, sequence)`` of the chunk that program ``work`` (its index without the row
+    blocks) takes, for ``batch <= BLOCK_B`` sequences and ``num_splits <=
+    LONGEST_FIRST_MAX_SPLITS``, cut as ``planner.split_bounds`` cuts them: all full chunks,
+    sequence by sequence; then the partial last chunks, longest first (ties in sequence order);
+    then the empty chunks. The blocks are dispatched roughly in program order, so the long
+    chunks start in the first wave and the late programs are the short ones (longest processing
+    time first; ragged case (e), NOTES.md item 39)."""
     # Sequences on the lanes; a [16, BLOCK_B] block compares 16 sequences' partials with all.
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     pair_layout: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, num_warps], [0, 1])
@@ -165,7 +170,7 @@ def _longest_first(
     part_tiles = gl.cdiv(rest, BLOCK_N)  # 0: no partial chunk
     has_part = (rest > 0).to(gl.int32)
     empty = gl.where(seq < batch, num_splits - full - has_part, 0)
-    # One scan for both counts: at most 64 chunks x 128 sequences each, 16 bits apiece.
+    # One scan for both counts: at most 128 chunks x 128 sequences each, 16 bits apiece.
     counts = full + (empty << 16)
     before = gl.associative_scan(counts, 0, _add) - counts
     totals = gl.max(before + counts, 0)
@@ -196,9 +201,9 @@ def _longest_first(
             rank += gl.sum(ahead.to(gl.int32), 0)
         rank = gl.convert_layout(rank, lane_layout)
         match = match | ((has_part > 0) & (rank == work - n_full))
-    # Exactly one lane matches; its sequence, split and length in one reduction.
-    found = gl.max(gl.where(match, seq * 128 + split, -1), 0)
-    return found % 128, found // 128
+    # Exactly one lane matches; its sequence and split in one reduction.
+    found = gl.max(gl.where(match, seq * LONGEST_FIRST_MAX_SPLITS + split, -1), 0)
+    return found % LONGEST_FIRST_MAX_SPLITS, found // LONGEST_FIRST_MAX_SPLITS
 
 
 @gluon.jit
@@ -1207,14 +1212,22 @@ def default_rows_on_m(block_m: int, num_warps: int, float8: bool) -> bool:
 
 
 def default_longest_first(
-    batch: int, total_splits: int | None, lengths_per_step: int, rows_on_m: bool
+    batch: int, num_splits: int, total_splits: int | None, lengths_per_step: int, rows_on_m: bool
 ) -> bool:
     """Whether programs take the batch's chunks longest first (``_longest_first``): for a
     balanced plan (``total_splits``) of at most ``lengths_per_step`` sequences (one block of
-    lanes ranks them). Programs with the rows on M keep the split-major order: with the chunk
-    held in registers across their loop, ptxas spilled 168-176 bytes (offline sm_90 compile,
-    Triton 3.6; NOTES.md item 39)."""
-    return total_splits is not None and batch <= lengths_per_step and not rows_on_m
+    lanes ranks them) and ``LONGEST_FIRST_MAX_SPLITS`` splits. Programs with the rows on M keep
+    the split-major order: with the chunk held in registers across their loop, ptxas spilled
+    168-176 bytes (offline sm_90 compile, Triton 3.6; NOTES.md item 39)."""
+    return _can_rank(batch, num_splits, total_splits, lengths_per_step) and not rows_on_m
+
+
+def _can_rank(batch: int, num_splits: int, total_splits: int | None, lengths_per_step: int):
+    return (
+        total_splits is not None
+        and batch <= lengths_per_step
+        and num_splits <= LONGEST_FIRST_MAX_SPLITS.value
+    )
 
 
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
@@ -1276,11 +1289,14 @@ def launch(
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
-        longest_first = default_longest_first(batch, total_splits, lengths_per_step, rows_on_m)
-    if longest_first and not (total_splits is not None and batch <= lengths_per_step):
+        longest_first = default_longest_first(
+            batch, num_splits, total_splits, lengths_per_step, rows_on_m
+        )
+    if longest_first and not _can_rank(batch, num_splits, total_splits, lengths_per_step):
         raise ValueError(
             f"longest_first needs a balanced plan (total_splits, got {total_splits}) of at most "
-            f"lengths_per_step={lengths_per_step} sequences (got {batch})"
+            f"lengths_per_step={lengths_per_step} sequences (got {batch}) and "
+            f"{LONGEST_FIRST_MAX_SPLITS.value} splits (got {num_splits})"
         )
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     if gather:

@@ -146,7 +146,7 @@ def test_longest_first_order(seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(2, 129, (1,), generator=gen))
     lengths = torch.randint(0, 9000, (batch,), generator=gen)
-    lengths[: batch // 4] = 0 if seed % 2 else 2048  # empty sequences, or whole chunks
+    lengths[: batch // 4] = 0 if seed % 2 else 2048  # empty sequences, or ties in length
     num_splits, total_splits = 4, max(1, batch * 2 - 7)
     order = longest_first_order(lengths, num_splits, total_splits)
     assert order.shape == (batch * num_splits, 2)
@@ -161,7 +161,6 @@ def test_longest_first_order(seed: int) -> None:
     assert (order[:n_full].diff(dim=0)[:, 0] >= 0).all()  # sequence by sequence
     rest = tiles[n_full:]
     assert (rest.diff() <= 0).all()  # then most tiles first, empty ones last
-    assert (tiles > 0).sum() == (tokens > 0).sum()
     same = torch.full((batch,), 3000)
     split_major = torch.stack(
         [torch.arange(batch).repeat(num_splits), torch.arange(num_splits).repeat_interleave(batch)],

@@ -372,7 +372,7 @@ LONGEST_FIRST_CASES = [
 
 def _ragged_case(seed: int, heads: int, s_q: int, page_size: int, float8: bool = False, **kw):
     """40 sequences of ragged lengths (empty ones, tile edges, whole chunks) on a balanced plan
-    whose chunks are 320 tokens: most sequences have full chunks and a partial last one."""
+    whose chunks are 320 tokens: 44-51 full chunks and 22-29 partial ones (seeds 61 and 62)."""
     import random
 
     rng = random.Random(seed)
@@ -413,7 +413,8 @@ def test_longest_first_matches_split_major(kernels, monkeypatch, kw: dict) -> No
 def test_longest_first_order_is_the_planners(kernels, monkeypatch, equal_lengths: bool) -> None:
     """The kernel's order, read from the phase stamps' tile counts by program, is
     ``planner.longest_first_order``'s: with ragged lengths, full chunks, then partial ones by
-    tiles, then empty ones; with equal lengths, split-major."""
+    tiles, then empty ones. With equal lengths the counts are split-major's; there the ranked
+    order would give the same counts, so this checks the bounds, not which of the two ran."""
     import functools
 
     from mla_ops import planner, wgmma_decode
@@ -440,23 +441,28 @@ def test_longest_first_order_is_the_planners(kernels, monkeypatch, equal_lengths
 
 
 def test_longest_first_default() -> None:
-    """Longest first for a balanced plan of at most ``LENGTHS_PER_STEP`` sequences, except in
-    programs with the rows on M; ``launch`` refuses it where the kernel cannot rank."""
+    """Longest first for a balanced plan of at most ``LENGTHS_PER_STEP`` sequences and
+    ``LONGEST_FIRST_MAX_SPLITS`` splits (the kernel packs a split in 7 bits), except in programs
+    with the rows on M; ``launch`` refuses it where the kernel cannot rank."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
     from mla_ops import triton_kernels, wgmma_decode
 
     step = triton_kernels.LENGTHS_PER_STEP
-    assert wgmma_decode.default_longest_first(64, 128, step, rows_on_m=False)
-    assert wgmma_decode.default_longest_first(step, 1, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(step + 1, 128, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(64, None, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(64, 128, step, rows_on_m=True)
+    most = wgmma_decode.LONGEST_FIRST_MAX_SPLITS.value
+    assert wgmma_decode.default_longest_first(64, 4, 128, step, rows_on_m=False)
+    assert wgmma_decode.default_longest_first(step, most, 1, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(step + 1, 4, 128, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(64, most + 1, 128, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(64, 4, None, step, rows_on_m=False)
+    assert not wgmma_decode.default_longest_first(64, 4, 128, step, rows_on_m=True)
     q = torch.zeros(2, 1, 16, 576)
     args = (q, q[..., :512], q[..., 512:], torch.ones(2, dtype=torch.int32), None, None, None)
-    with pytest.raises(ValueError, match="longest_first needs a balanced plan"):
-        wgmma_decode.launch(
-            *args, 1.0, None, False, 2, None, 16, 4, 2, 256, 64, step, longest_first=True
-        )
+    for num_splits, total_splits in [(2, None), (most + 1, 4)]:
+        with pytest.raises(ValueError, match="longest_first needs a balanced plan"):
+            wgmma_decode.launch(
+                *args, 1.0, None, False, num_splits, total_splits, 16, 4, 2, 256, 64, step,
+                longest_first=True,
+            )  # fmt: skip
 
 
 MERGE_CASES = [
