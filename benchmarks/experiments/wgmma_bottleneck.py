@@ -15,9 +15,12 @@ stay in step with the kernel) and timed on the issue-3 cases:
   and the ``P^T`` stores alone (for a 16-bit cache: the loop's bookkeeping).
 
 Results are garbage except for ``full``; only the times matter. Per-tile time is the kernel time
-over the tiles one program walks (every program walks the same number here).
+over the tiles one program walks (every program walks the same number here). Timing: CUDA-graph
+replays with L2 evicted by a read before each (``bench_decode.time_rotating``, NOTES.md item 30);
+the runs before 2026-11-23 used ``triton.testing.do_bench``, whose zeroing leaves L2 dirty.
 
     python benchmarks/experiments/wgmma_bottleneck.py --cases a,b --out $OUT
+    python benchmarks/experiments/wgmma_bottleneck.py --cases a,a8,d --variants full,load_only
 """
 
 from __future__ import annotations
@@ -118,11 +121,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="a,b")
     ap.add_argument("--splits", default="a:1,a8:1,b:2,f:1,d:33")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     splits = dict(kv.split(":") for kv in args.splits.split(","))
     folder = Path(tempfile.mkdtemp())
-    modules = {name: build(name, folder) for name in VARIANTS}
+    modules = {name: build(name, folder) for name in args.variants.split(",")}
     ceil = bd.ceilings()
     props = torch.cuda.get_device_properties(0)
     report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__}
@@ -143,6 +147,8 @@ def main() -> None:
         tiles = triton.cdiv(triton.cdiv(case.context, ns), 64)
         floor = bd.floor_seconds(case, dict(ceil))
         for name, module in modules.items():
+            if name == "no_convert" and not case.fp8:
+                continue
             launch_args = (inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse)
             kwargs = dict(
                 block_m=block_m, num_warps=warps, num_stages=stages, min_chunk=MIN_CHUNK,
@@ -154,7 +160,7 @@ def main() -> None:
 
             fn()
             torch.cuda.synchronize()
-            us = triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+            us = bd.time_rotating([bd.graphed(fn)], warmup=10, rep=100) * 1e6
             row = dict(
                 case=case_name, variant=name, num_splits=ns, programs=programs,
                 tiles_per_program=tiles, us=us, us_per_tile=us / tiles,
