@@ -13,6 +13,8 @@ stay in step with the kernel) and timed on the issue-3 cases:
   staging tile);
 * ``convert_only``: ``no_load``, ``no_mma`` and ``no_softmax``: a float8 tile's conversion
   and the ``P^T`` stores alone (for a 16-bit cache: the loop's bookkeeping).
+* ``mma_only``, ``scores_only``, ``pv_only`` (64-row programs with the rows on M): ``no_load``
+  and ``no_softmax``, with both products, only the scores ``S = Q K^T`` or only ``P V``.
 
 Results are garbage except for ``full``; only the times matter. Per-tile time is the kernel time
 over the tiles one program walks (every program walks the same number here). Timing: CUDA-graph
@@ -89,6 +91,21 @@ NO_CONVERT = [
         "pass",
     )
 ]
+# 64-row programs with the rows on M (``_consume_rows_on_m``) only: one of the two chains left out.
+NO_PV = [
+    (
+        "        o = warpgroup_mma(p_smem, kv, o, is_async=True)\n"
+        "        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))\n",
+        "",
+    )
+]
+NO_SCORES = [
+    (
+        r"re:        s = warpgroup_mma\(q_smem, kv\.permute.*\n(?:.*\n){2}"
+        r"        s = warpgroup_mma_wait\(num_outstanding=0, deps=\(s,\)\)\n",
+        "        s = s_zero\n",
+    )
+]
 VARIANTS = {
     "full": [],
     "no_load": NO_LOAD,
@@ -97,6 +114,10 @@ VARIANTS = {
     "load_only": NO_MMA + NO_SOFTMAX,
     "no_convert": NO_CONVERT,
     "convert_only": NO_MMA + NO_SOFTMAX + NO_LOAD,
+    # Rows on M: both products, or one of them, with no copies and no softmax.
+    "mma_only": NO_LOAD + NO_SOFTMAX,
+    "scores_only": NO_LOAD + NO_SOFTMAX + NO_PV,
+    "pv_only": NO_LOAD + NO_SOFTMAX + NO_SCORES,
 }
 
 
