@@ -106,6 +106,7 @@ NO_SCORES = [
         "        s = s_zero\n",
     )
 ]
+ROWS_ON_M_ONLY = ("mma_only", "scores_only", "pv_only")
 VARIANTS = {
     "full": [],
     "no_load": NO_LOAD,
@@ -169,6 +170,11 @@ def main() -> None:
         floor = bd.floor_seconds(case, dict(ceil))
         for name, module in modules.items():
             if name == "no_convert" and not case.fp8:
+                continue
+            # The single-product variants edit the rows-on-M loop only; another loop would run
+            # unchanged under their name.
+            rows_on_m = module.default_rows_on_m(block_m, warps, case.fp8)
+            if name in ROWS_ON_M_ONLY and not rows_on_m:
                 continue
             launch_args = (inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse)
             kwargs = dict(
