@@ -102,7 +102,7 @@ def compile_wgmma(
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
-    longest_first: bool = False,
+    longest_first: bool = False, one_scorer: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -113,6 +113,8 @@ def compile_wgmma(
     from mla_ops import wgmma_decode as wd
 
     kernel = wd._mla_decode_wgmma_kernel
+    if one_scorer:
+        rows_on_m, producer_warps = False, 0
     if rows_on_m is None:
         rows_on_m = wd.default_rows_on_m(rows, warps, kv_dtype == "fp8e4nv")
     params = list(inspect.signature(kernel.fn).parameters)
@@ -127,8 +129,9 @@ def compile_wgmma(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
         ),
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
-        ROWS_ON_M=rows_on_m, MERGE=merge, MERGE_SPLITS=4 if merge else 1, STAMPS=stamps,
-        LONGEST_FIRST=longest_first, num_warps=warps,
+        ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS, MERGE=merge,
+        MERGE_SPLITS=4 if merge else 1, STAMPS=stamps, LONGEST_FIRST=longest_first,
+        num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -237,23 +240,28 @@ def main() -> None:
         "--merge", action="store_true", help="wgmma: final output and in-kernel split merge"
     )
     p.add_argument("--stamps", action="store_true", help="wgmma: with the phase stamps")
+    p.add_argument(
+        "--one-scorer", action="store_true",
+        help="wgmma: 64 rows, warpgroup 0 scores whole tiles (launch(one_scorer=True); 4 warps)",
+    )  # fmt: skip
     p.add_argument("--dump", help="folder for the TTGIR and PTX")
     args = p.parse_args()
     if args.wgmma:
-        rows, warps = args.rows or 16, args.warps or (4 if (args.rows or 16) <= 16 else 8)
+        rows = args.rows or (64 if args.one_scorer else 16)
+        warps = args.warps or (4 if rows <= 16 or args.one_scorer else 8)
         compiled = compile_wgmma(
             rows, args.stages or 2, args.dtype, balanced=args.balanced, warps=warps,
             kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
             producer_warps=args.producer_warps,
             rows_on_m=None if args.rows_on_m is None else bool(args.rows_on_m), merge=args.merge,
-            stamps=args.stamps,
+            stamps=args.stamps, one_scorer=args.one_scorer,
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
             f"kv {args.kv_dtype or args.dtype} page size {args.page_size} producer warps "
             f"{args.producer_warps if args.producer_warps is not None else 'default'} rows on M "
             f"{args.rows_on_m if args.rows_on_m is not None else 'default'} merge {args.merge} "
-            f"stamps {args.stamps}: "
+            f"stamps {args.stamps} one scorer {args.one_scorer}: "
             f"{resources(compiled)}"
         )
         if args.dump:

@@ -23,7 +23,12 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   (``_consume_rows_on_m``: ``S = Q K^T``, ``O = P V``, both warpgroups splitting the tile's tokens
   in the scores and the latent columns in the output): with 64 rows the M=64 side is full either
   way, and a row's softmax reductions then stay within a warp quad instead of crossing the four
-  warps a transposed tile's tokens lie over (benchmarks/NOTES.md items 24 and 28).
+  warps a transposed tile's tokens lie over (benchmarks/NOTES.md items 24 and 28). Splitting the
+  tokens makes each warpgroup read the whole query from shared memory for its 32: the scores run
+  at the shared-memory bound, 1.5x the time one warpgroup takes for the whole tile (item 43).
+  ``launch(one_scorer=True)``, an experiment, has warpgroup 0 score whole tiles and hand ``P`` to
+  a second warpgroup, a partition of its own, for the other half of P.V (``_score_tiles``,
+  ``_assist_tiles``).
 * KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA (or
   ``cp.async`` gathers) and tracked by mbarriers, so the loads run ahead of the math without any
   warp waiting on them. In 16-row programs a producer partition of its own (warp specialisation:
@@ -78,6 +83,9 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 # The barrier of all threads executing the region (a partition's own under warp specialisation):
 # ``thread_barrier`` in Triton 3.6, ``barrier`` later.
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+# A shared-memory view as another dtype, shape and layout: ``_reinterpret`` in Triton 3.6,
+# ``reinterpret`` later (same arguments).
+_NAMED_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
@@ -461,9 +469,14 @@ def _await_tile(
         fence_async_shared()
     kv = kv_ring.index(slot)
     if ZERO_STALE and not GATHER and tile_start + BLOCK_N > end:
+        # In column chunks: a whole 64 x 512 tile is 128 registers per thread of one warpgroup.
+        WIDTH: gl.constexpr = kv.shape[1]
+        ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
         offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        tile = kv.load(io_layout)
-        kv.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
+        for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
+            part = kv.slice(c, ZERO_CHUNK, dim=1)
+            tile = part.load(io_layout)
+            part.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
         fence_async_shared()
     return kv
 
@@ -514,21 +527,38 @@ def _tile_scores(
 
 
 @gluon.jit
-def _stage_query(
-    Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, kv_scale,
-    S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    BLOCK_M: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, io_layout: gl.constexpr,
+def _load_query(
+    Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q: gl.constexpr,
+    H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
+    HAS_PE: gl.constexpr, io_layout: gl.constexpr,
 ):  # fmt: skip
     """The query block (rows ``row_block * BLOCK_M ...`` of heads x S_q; rows past ``S_q * H``
-    are zeros) into shared memory: nope part ``q_smem [BLOCK_M, L]``, RoPE part ``qpe_smem``.
-    Returns the nope scores' scale (``kv_scale``, times the power of two below for a float8
-    cache)."""
-    dtype: gl.constexpr = q_smem.dtype
+    are zeros) into registers: the nope part ``[BLOCK_M, L]`` and the RoPE part ``[BLOCK_M, R]``
+    (the nope part again without one). Split from ``_store_query`` so a program can issue these
+    loads before its first tiles' copies and store them after."""
     rows_io = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, io_layout))
     q_row = Q + b64 * stride_qb + (rows_io // H) * stride_qs + (rows_io % H) * stride_qh
     row_ok_io = rows_io < S_Q * H
     offs_l_io = gl.arange(0, L, layout=gl.SliceLayout(0, io_layout))
     q_nope = gl.load(q_row[:, None] + offs_l_io[None, :] * stride_qd, mask=row_ok_io[:, None])
+    if HAS_PE:
+        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
+        q_pe = gl.load(
+            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
+        )
+    else:
+        q_pe = q_nope
+    return q_nope, q_pe
+
+
+@gluon.jit
+def _store_query(
+    q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr
+):  # fmt: skip
+    """``_load_query``'s parts into shared memory (``q_smem [BLOCK_M, L]``, ``qpe_smem``).
+    Returns the nope scores' scale (``kv_scale``, times the power of two below for a float8
+    cache)."""
+    dtype: gl.constexpr = q_smem.dtype
     nope_scale = kv_scale
     if KV_FP8:
         # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
@@ -542,10 +572,6 @@ def _stage_query(
     else:
         q_smem.store(q_nope)
     if HAS_PE:
-        offs_r_io = gl.arange(0, R, layout=gl.SliceLayout(0, io_layout))
-        q_pe = gl.load(
-            q_row[:, None] + (L + offs_r_io[None, :]) * stride_qd, mask=row_ok_io[:, None]
-        )
         qpe_smem.store(q_pe)
     fence_async_shared()
     return nope_scale
@@ -678,10 +704,11 @@ def _consume_tiles(
     conv_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
     gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
 
-    nope_scale = _stage_query(
-        Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd,
-        kv_scale, S_Q, H, L, R, BLOCK_M, HAS_PE, KV_FP8, io_layout,
+    q_nope, q_pe = _load_query(
+        Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R, BLOCK_M,
+        HAS_PE, io_layout,
     )  # fmt: skip
+    nope_scale = _store_query(q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, KV_FP8)
     _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
     last_key, m_i = _row_start(
@@ -753,11 +780,11 @@ def _consume_tiles(
 
 @gluon.jit
 def _consume_rows_on_m(
-    Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, p_smem, ready,
-    free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
-    stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep,
-    stride_pet, scale_log2, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr,
-    R: gl.constexpr, PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, p_smem, ready,
+    free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
+    MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, STAMP_ROW,
+    S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr,
     STAMPS: gl.constexpr,
 ):  # fmt: skip
@@ -770,7 +797,9 @@ def _consume_rows_on_m(
     through shared memory); the row sums stay per thread until the end. ``P`` goes through shared
     memory because each warpgroup's P.V needs both halves. Unlike the transposed loop
     (``_consume_tiles``), a row's softmax reductions stay inside a warp quad and its
-    warpgroup. Returns ``O^T`` (as ``_consume_tiles``), the running max and sum, and ``n_bad``.
+    warpgroup. The query is in shared memory already (the kernel loads it ahead of the ring's
+    first copies). Returns ``O^T`` (as ``_consume_tiles``), the running max and sum, and
+    ``n_bad``.
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     num_warps: gl.constexpr = gl.num_warps()
@@ -784,11 +813,6 @@ def _consume_rows_on_m(
     )
     io_layout: gl.constexpr = _copy_layouts(num_warps, False)[0]
     gather_layout: gl.constexpr = _copy_layouts(num_warps, False)[2]
-    _stage_query(
-        Q, q_smem, qpe_smem, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, 1.0,
-        S_Q, H, L, R, BLOCK_M, HAS_PE, False, io_layout,
-    )  # fmt: skip
-    _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(1, s_layout)
@@ -834,6 +858,140 @@ def _consume_rows_on_m(
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     o_t = gl.permute(gl.convert_layout(o, rows_layout), (1, 0))
     return o_t, m_i, l_i, n_bad
+
+
+@gluon.jit
+def _output_half(q_smem, BLOCK_M: gl.constexpr, L: gl.constexpr):
+    """The nope query's shared memory (``[BLOCK_M, L]`` 16-bit) viewed as a float32
+    ``[BLOCK_M, L / 2]`` output half: a one-scorer program's warpgroup 1 hands its half over in
+    it once the last tile's scores are done (``_assist_tiles``)."""
+    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if _NAMED_REINTERPRET:
+        view = q_smem.reinterpret(gl.float32, [BLOCK_M, L // 2], layout)
+    else:
+        view = q_smem._reinterpret(gl.float32, [BLOCK_M, L // 2], layout)
+    return view
+
+
+@gluon.jit
+def _score_tiles(
+    kv_ring, pe_ring, q_smem, qpe_smem, p_smem, alpha_smem, ready, free, p_ready, p_free,
+    row_block, seqlen, start, end, n_tiles, scale_log2, STAMP_ROW, S_Q: gl.constexpr,
+    H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, STAMPS: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup 0 of a one-scorer program (``ONE_SCORER``): for each tile the whole scores
+    ``S [64, BLOCK_N] = Q K^T`` (``m64n64k16``), the online softmax, ``P`` and the output's
+    rescaling factor handed to warpgroup 1 (``_assist_tiles``) through ``p_smem``/``alpha_smem``
+    (``p_ready``; one buffer, as a second does not fit beside the query and a ring of two: it is
+    free again on ``p_free``, when warpgroup 1's P.V on it is done), then its own half of the
+    output, ``O[:, :L/2] += P V[:, :L/2]``.
+
+    Why: when both warpgroups score half of the tile's tokens each (``_consume_rows_on_m``), each
+    reads the whole 64 x 576 query from shared memory for its 32 tokens, and the scores run at the
+    shared-memory bound (1840 clocks per tile against 1221 for one warpgroup scoring all 64;
+    NOTES.md item 43). Returns the output half ``[BLOCK_M, L/2]``, the running max and sum.
+    """
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    dtype: gl.constexpr = q_smem.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L // 2, 16]
+    )
+    io_layout: gl.constexpr = _copy_layouts(4, False)[0]
+    last_key, m_i = _row_start(
+        row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(1, s_layout)
+    )
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    o = gl.zeros([BLOCK_M, L // 2], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        kv = _await_tile(kv_ring, ready, i, tile_start, end, NUM_STAGES, False, True, io_layout)
+        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if HAS_PE:
+            s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if i == 0:
+            _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
+        p, m_i, l_i, alpha = _online_softmax(
+            s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1
+        )
+        # P and alpha to warpgroup 1, once its P.V of the tile before is done. A fresh barrier
+        # counts as having completed the phase before its first: the first wait passes at once.
+        mbarrier.wait(p_free, (i & 1) ^ 1)
+        p_smem.store(p.to(dtype))
+        alpha_smem.store(alpha)
+        fence_async_shared()
+        _thread_barrier()
+        mbarrier.arrive(p_ready, count=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, kv.slice(0, L // 2, dim=1), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # This warpgroup is done with the slot; warpgroup 1 refills it.
+        _thread_barrier()
+        mbarrier.arrive(free.index(slot), count=1)
+    _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
+    return o, m_i, l_i
+
+
+@gluon.jit
+def _assist_tiles(
+    KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, q_smem, p_smem, alpha_smem, ready,
+    free, p_ready, p_free, done, bad_smem, b64, start, end, n_tiles, stride_btb, stride_btp,
+    NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    CHUNK: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup 1 of a one-scorer program: for each tile, once warpgroup 0 has handed over
+    ``P`` and the rescaling factor, the output's other half ``O[:, L/2:] += P V[:, L/2:]``; then,
+    once warpgroup 0 is done with the slot too, the copy of the tile ``NUM_STAGES`` ahead into it
+    (the first ``NUM_STAGES`` were issued before the partitions). At the end its output half goes
+    into the query's shared memory (float32 ``[BLOCK_M, L/2]``, the size of the nope query, which
+    no one reads any more once the last ``P`` exists), and the invalid tokens it counted into
+    ``bad_smem``, signalled on ``done``."""
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    BLOCK_M: gl.constexpr = p_smem.shape[0]
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L // 2, 16]
+    )
+    io_layout: gl.constexpr = _copy_layouts(4, False)[0]
+    gather_layout: gl.constexpr = _copy_layouts(4, False)[2]
+    n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
+    o = gl.zeros([BLOCK_M, L // 2], gl.float32, layout=o_layout)
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        next_start = start + (i + NUM_STAGES) * BLOCK_N
+        # Located before the waits: the lookup's latency overlaps them.
+        next_where, bad = _locate_tile(
+            BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            PAGE_SIZE, BLOCK_N, False, gather_layout,
+        )  # fmt: skip
+        n_bad += bad
+        mbarrier.wait(p_ready, i & 1)
+        alpha = alpha_smem.load(gl.SliceLayout(1, o_layout))
+        o = o * alpha[:, None]
+        v_hi = kv_ring.index(slot).slice(L // 2, L // 2, dim=1)
+        o = warpgroup_mma(p_smem, v_hi, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        # Every warp's reads of P and alpha done: the buffer is warpgroup 0's again.
+        _thread_barrier()
+        mbarrier.arrive(p_free, count=1)
+        if i + NUM_STAGES < n_tiles:
+            mbarrier.wait(free.index(slot), (i // NUM_STAGES) & 1)
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
+                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, False, L, R,
+                CHUNK, gather_layout, io_layout,
+            )  # fmt: skip
+    _output_half(q_smem, BLOCK_M, L).store(o)
+    bad_smem.store(n_bad)
+    _thread_barrier()
+    mbarrier.arrive(done, count=1)
 
 
 @gluon.jit
@@ -886,6 +1044,8 @@ def _mla_decode_wgmma_kernel(
     PRODUCER_WARPS: gl.constexpr,  # warps of a producer partition that copies (0: none)
     PRODUCER_REGS: gl.constexpr,  # registers per thread of the producer partition
     ROWS_ON_M: gl.constexpr,  # 64 rows, 16-bit cache: S = Q K^T, O = P V (_consume_rows_on_m)
+    ONE_SCORER: gl.constexpr,  # rows on M, warpgroup 0 scores (_score_tiles, _assist_tiles)
+    ASSIST_REGS: gl.constexpr,  # ONE_SCORER: registers per thread of warpgroup 1
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
@@ -910,6 +1070,15 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not ROWS_ON_M or (BLOCK_M == 64 and num_warps == 8 and not KV_FP8 and PRODUCER_WARPS == 0)
     )
+    # One scorer: warpgroup 0 is the kernel's 4 warps, warpgroup 1 a partition of its own; two
+    # P buffers match a ring of two (_score_tiles); the copy engine's whole-page tiles only.
+    gl.static_assert(
+        not ONE_SCORER
+        or (
+            BLOCK_M == 64 and num_warps == 4 and NUM_STAGES == 2 and not KV_FP8 and not GATHER
+            and PRODUCER_WARPS == 0 and not ROWS_ON_M
+        )
+    )  # fmt: skip
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -919,6 +1088,8 @@ def _mla_decode_wgmma_kernel(
     io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
     gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+    # A one-scorer program's output halves [BLOCK_M, L / 2], latent columns across a warp's lanes.
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     # Which chunk (split, sequence) this program takes. Splits vary slowest: every sequence's
@@ -1024,7 +1195,7 @@ def _mla_decode_wgmma_kernel(
     else:
         qpe_smem = q_smem
         pe_ring = kv_ring
-    if ROWS_ON_M:
+    if ROWS_ON_M or ONE_SCORER:
         p_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype),
@@ -1034,6 +1205,16 @@ def _mla_decode_wgmma_kernel(
             dtype, [BLOCK_N, BLOCK_M],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype),
         )  # fmt: skip
+    if ONE_SCORER:
+        # The factor that rescales the output before each tile's P.V, beside P; P (and it)
+        # handed to warpgroup 1 and back.
+        alpha_smem = gl.allocate_shared_memory(
+            gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
     # ready: a slot's tile has landed; free: the math warps are done with a slot.
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -1088,7 +1269,14 @@ def _mla_decode_wgmma_kernel(
         n_bad = bad_smem.load(gl.SliceLayout(1, gather_layout))
         mbarrier.invalidate(done)
     else:
-        # Prologue: the first NUM_STAGES tiles in flight before the query is even read.
+        if ROWS_ON_M or ONE_SCORER:
+            # The query's loads go out first: issued after the prologue's copies they queue
+            # behind every program's first tiles (NOTES.md item 43).
+            q_nope, q_pe = _load_query(
+                Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R,
+                BLOCK_M, HAS_PE, io_layout,
+            )  # fmt: skip
+        # Prologue: the first NUM_STAGES tiles in flight before the query is in shared memory.
         for i in gl.static_range(NUM_STAGES):
             if i < n_tiles:
                 where, bad = _locate_tile(
@@ -1101,14 +1289,54 @@ def _mla_decode_wgmma_kernel(
                     where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE,
                     GATHER, L, R, CHUNK, gather_layout, io_layout,
                 )  # fmt: skip
-        if ROWS_ON_M:
+        if ONE_SCORER:
+            _store_query(q_nope, q_pe, q_smem, qpe_smem, 1.0, HAS_PE, False)
+            _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
+            done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(done, count=1)
+            bad_smem = gl.allocate_shared_memory(
+                gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+            )
+            o, m_i, l_i = gl.warp_specialize(
+                [
+                    (
+                        _score_tiles,
+                        (
+                            kv_ring, pe_ring, q_smem, qpe_smem, p_smem, alpha_smem, ready, free,
+                            p_ready, p_free, row_block, seqlen, start, end, n_tiles, scale_log2,
+                            STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, STAMPS,
+                        ),
+                    ),
+                    (
+                        _assist_tiles,
+                        (
+                            KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, q_smem,
+                            p_smem, alpha_smem, ready, free, p_ready, p_free, done, bad_smem,
+                            b64, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
+                            MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
+                            NUM_STAGES, HAS_PE, L, R, CHUNK,
+                        ),
+                    ),
+                ],
+                [4],
+                [ASSIST_REGS],
+            )  # fmt: skip
+            # Warpgroup 1's output half (in the query's shared memory) and its invalid tokens.
+            mbarrier.wait(done, 0)
+            n_bad += bad_smem.load(gl.SliceLayout(1, gather_layout))
+            mbarrier.invalidate(done)
+            mbarrier.invalidate(p_ready)
+            mbarrier.invalidate(p_free)
+            o_t = gl.permute(gl.convert_layout(o, rows_layout), (1, 0))
+        elif ROWS_ON_M:
+            _store_query(q_nope, q_pe, q_smem, qpe_smem, 1.0, HAS_PE, False)
+            _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
             o_t, m_i, l_i, n_bad = _consume_rows_on_m(
-                Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
+                KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
                 p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
-                stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
-                MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, STAMP_ROW,
-                S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, CHUNK, GATHER,
-                STAMPS,
+                stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep,
+                stride_pet, scale_log2, STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES,
+                CAUSAL, HAS_PE, CHUNK, GATHER, STAMPS,
             )  # fmt: skip
         else:
             o_t, m_i, l_i, n_bad = _consume_tiles(
@@ -1129,52 +1357,54 @@ def _mla_decode_wgmma_kernel(
     m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
     empty = l_st == 0.0
     l_safe = gl.where(empty, 1.0, l_st)
-    # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
-    out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
     lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
     # A token at an invalid cache location was never read: the whole split's rows are NaN.
-    out_t = gl.where(n_bad > 0, float("nan"), out_t)
     lse = gl.where(n_bad > 0, float("nan"), lse)
     s_st = rows_st // H
     h_st = rows_st % H
-    if MERGE:
-        # A sequence cut into one chunk writes its final rows here (mla::combine of one split is
-        # exactly this cast); with more, every chunk writes its partial and the program that
-        # arrives last merges them. Splits past the sequence's chunks exited above.
-        n_real = gl.cdiv(seqlen, chunk)
-        if n_real == 1:
+    # A sequence cut into one chunk writes its final rows here (mla::combine of one split is
+    # exactly this cast); with more, every chunk writes its partial (MERGE: and the program that
+    # arrives last merges them; splits past the sequence's chunks exited above).
+    n_real = gl.cdiv(seqlen, chunk)
+    # The output in column parts: a one-scorer program's 4 warps hold half of it in registers
+    # and get the other half from warpgroup 1 through shared memory (_assist_tiles).
+    OUT_PARTS: gl.constexpr = 2 if ONE_SCORER else 1
+    L_PART: gl.constexpr = L // OUT_PARTS
+    for part in gl.static_range(OUT_PARTS):
+        if part == 1:
+            o_t = gl.permute(_output_half(q_smem, BLOCK_M, L).load(rows_layout), (1, 0))
+        offs_part = part * L_PART + gl.arange(0, L_PART, layout=gl.SliceLayout(1, st_layout))
+        # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
+        out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
+        out_t = gl.where(n_bad > 0, float("nan"), out_t)
+        if MERGE and n_real == 1:
             _store_partial_t(
-                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_l_st, row_ok_st, stride_fb,
+                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_part, row_ok_st, stride_fb,
                 stride_fs, stride_fh, 0, stride_fd, stride_gb, stride_gs, stride_gh, 0,
             )  # fmt: skip
         else:
             _store_partial_t(
-                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_l_st, row_ok_st,
+                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_part, row_ok_st,
                 stride_ob, stride_os, stride_oh, stride_ok, stride_od,
                 stride_lb, stride_ls, stride_lh, stride_lk,
             )  # fmt: skip
-            # Every thread's partial stores precede (bar.sync) one thread's release-acquire
-            # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
-            # (the scalar atomic's result reaches every thread through shared memory and a
-            # barrier) and puts the count back to 0 for the next launch.
-            _thread_barrier()
-            pid_bm = b * num_row_blocks + row_block
-            arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_real - 1:
-                gl.store(ARRIVALS + pid_bm, 0)
-                _merge_splits(
-                    O_PART, LSE_PART, OUT, LSE_OUT, b64, s_st, h_st, row_ok_st, n_real,
-                    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-                    stride_lb, stride_ls, stride_lh, stride_lk,
-                    stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
-                    L, BLOCK_M, MERGE_SPLITS, num_warps,
-                )  # fmt: skip
-    else:
-        _store_partial_t(
-            O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_l_st, row_ok_st,
-            stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-            stride_lb, stride_ls, stride_lh, stride_lk,
-        )  # fmt: skip
+    if MERGE and n_real > 1:
+        # Every thread's partial stores precede (bar.sync) one thread's release-acquire
+        # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
+        # (the scalar atomic's result reaches every thread through shared memory and a
+        # barrier) and puts the count back to 0 for the next launch.
+        _thread_barrier()
+        pid_bm = b * num_row_blocks + row_block
+        arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_real - 1:
+            gl.store(ARRIVALS + pid_bm, 0)
+            _merge_splits(
+                O_PART, LSE_PART, OUT, LSE_OUT, b64, s_st, h_st, row_ok_st, n_real,
+                stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                stride_lb, stride_ls, stride_lh, stride_lk,
+                stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+                L, BLOCK_M, MERGE_SPLITS, num_warps,
+            )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_EXIT, STAMPS)
 
 
@@ -1188,6 +1418,10 @@ _GL_DTYPES = {
 # one swizzle atom's width.
 CONVERT_CHUNK = 128
 
+
+# Registers per thread of a one-scorer program's warpgroup 1 (launch(one_scorer=True)): its half
+# of the output is 128 float32 per thread.
+ASSIST_REGS = 232
 
 # Registers per thread of the producer partition (setmaxnreg; a multiple of 8 from 24): TMA
 # issue is a few scalars, a gather holds its row addresses. (TMA, gather)
@@ -1261,6 +1495,7 @@ def launch(
     fill_empty: bool = True,
     producer_warps: int | None = None,
     rows_on_m: bool | None = None,
+    one_scorer: bool = False,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
     longest_first: bool | None = None,
@@ -1272,7 +1507,10 @@ def launch(
     its zero ``out`` (False: only its ``lse = -inf``). producer_warps: warps of a partition of
     their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
     rows_on_m: the query rows on the MMA's M side (``_consume_rows_on_m``; None:
-    ``default_rows_on_m``). longest_first: programs take the chunks longest first
+    ``default_rows_on_m``). one_scorer: 64 rows on M with warpgroup 0 scoring whole tiles
+    and the two warpgroups splitting P.V (``_score_tiles``, ``_assist_tiles``; an experiment:
+    ``num_warps`` is then warpgroup 0's 4, ``num_stages`` 2, copy-engine tiles of a 16-bit
+    cache). longest_first: programs take the chunks longest first
     (``_longest_first``; None: ``default_longest_first``), else split-major.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
@@ -1285,6 +1523,16 @@ def launch(
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
     float8 = kv_c.dtype == torch.float8_e4m3fn
+    if one_scorer:
+        if rows_on_m or block_m != 64 or num_warps != 4 or num_stages != 2 or gather or float8:
+            raise ValueError(
+                "one_scorer: expected block_m=64, num_warps=4, num_stages=2, rows_on_m not set, "
+                f"copy-engine tiles of a 16-bit cache; got block_m={block_m}, "
+                f"num_warps={num_warps}, num_stages={num_stages}, rows_on_m={rows_on_m}, "
+                f"gather={gather}, kv_c {kv_c.dtype}"
+            )
+        rows_on_m = False
+        producer_warps = 0
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     batch, s_q, heads, _ = q.shape
@@ -1371,6 +1619,8 @@ def launch(
         PRODUCER_WARPS=producer_warps,
         PRODUCER_REGS=PRODUCER_REGS[bool(gather)],
         ROWS_ON_M=rows_on_m,
+        ONE_SCORER=one_scorer,
+        ASSIST_REGS=ASSIST_REGS,
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         STAMPS=stamps is not None,

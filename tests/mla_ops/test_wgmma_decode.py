@@ -285,6 +285,76 @@ def test_64_row_programs_either_orientation(
     assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
 
 
+def _launch_one_scorer(monkeypatch) -> list[bool]:
+    """Every 64-row launch of a 16-bit cache from here on takes ``one_scorer`` (an experiment,
+    not the op's default): warpgroup 0's 4 warps and warpgroup 1's partition. Returns the list
+    that records, per launch, whether it did."""
+    from mla_ops import wgmma_decode
+
+    shipped = wgmma_decode.launch
+    taken: list[bool] = []
+
+    def one_scorer(*args, **kw):
+        taken.append(kw["block_m"] == 64 and kw["rows_on_m"])
+        if taken[-1]:
+            kw.update(one_scorer=True, num_warps=4, rows_on_m=None, producer_warps=None)
+        return shipped(*args, **kw)
+
+    monkeypatch.setattr(wgmma_decode, "launch", one_scorer)
+    return taken
+
+
+@requires_hopper
+@pytest.mark.parametrize(
+    ("heads", "s_q", "page_size", "lengths"),
+    [(128, 1, 64, [0, 1, 64, 65, 700]), (128, 2, 64, [2, 130, 0]), (43, 3, 64, [3, 200, 64]),
+     (64, 1, 128, [4097, 63])],
+)  # fmt: skip
+def test_one_scorer_programs(
+    kernels, monkeypatch, heads: int, s_q: int, page_size: int, lengths: list[int]
+) -> None:
+    """64-row programs whose warpgroup 0 scores whole tiles and hands P to warpgroup 1
+    (``launch(one_scorer=True)``) match the float64 reference: empty, 1-token and tile-edge
+    lengths, causal S_q > 1, a partial last row block (43 heads x 3), several splits, pages of
+    two tiles; a bad page id makes only its split's rows NaN; the same bits on a second call."""
+    taken = _launch_one_scorer(monkeypatch)
+    case = make_case(
+        29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
+        heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
+    )  # fmt: skip
+    out, lse = run(kernels, case)
+    assert taken == [True]
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+    again = run(kernels, case)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
+    case.block_table[1, 0] = 10**6
+    out_p, lse_p = kernels.decode(*case.op_args())
+    assert torch.isnan(lse_p[1, ..., 0]).all()
+    assert torch.isnan(lse_p).sum() == s_q * heads
+    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
+    keep = [b for b in range(len(lengths)) if b != 1]
+    assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
+
+
+@requires_hopper
+def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
+    """``mla::attention`` over one-scorer programs with the in-kernel merge: both output halves
+    (warpgroup 1's through shared memory) reach the final rows and the merge's partials."""
+    taken = _launch_one_scorer(monkeypatch)
+    monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
+    case = make_case(
+        61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), heads=128, s_q=2, page_size=64,
+        lengths=[130, 0, 900, 64], num_splits=4, causal=True,
+    )  # fmt: skip
+    out, lse = kernels.attention(*case.op_args())
+    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
+    assert taken == [True]
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+    assert not kernels.arrival_counters(case.q.device, 1).any()
+
+
 @requires_hopper
 @pytest.mark.parametrize(("heads", "page_size"), [(16, 64), (16, 1), (128, 64)])
 def test_phase_stamps_are_ordered_and_leave_the_output_alone(
@@ -765,6 +835,42 @@ def test_compiles_to_wgmma_for_sm90(
         # values per cvt, spread over all the kernel's threads.
         assert res["cvt_e4m3"] == 2 * 64 * 512 // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+def test_rows_on_m_loads_the_query_before_the_first_copies() -> None:
+    """A 64-row program with the rows on M issues its query's loads (18 16-byte loads per
+    thread: 64 x 576 bf16 over 256 threads) before the ring's first copies, so that they do not
+    queue behind every program's first tiles (NOTES.md item 43)."""
+    res = _offline_compile(
+        "import re; k = oc.compile_wgmma(64, 2, warps=8); ptx = k.asm['ptx']; "
+        "first_copy = ptx.index('cp.async.bulk.tensor'); "
+        "loads = [m.start() for m in re.finditer(r'ld\\.global\\.v4', ptx)]; "
+        "print([len(loads), sum(i < first_copy for i in loads)])"
+    )
+    assert res[0] >= 18 and res[1] == 18, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("merge", [False, True])
+def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
+    """``one_scorer``: the scores are 36 ``m64n64k16`` (one warpgroup, the whole tile: 32 for
+    the nope part, 4 for RoPE) and P.V two chains of 4 ``m64n256k16`` (one per warpgroup), within
+    one SM's shared memory and ``wgmma_shared_memory``'s bound for the ring of two. Spills: none
+    without the merge; the merge's (about 1.9 KB per thread under Triton 3.6) stay below the
+    output half a warpgroup holds (512 bytes per thread)."""
+    from mla_ops import triton_kernels
+
+    res = _offline_compile(
+        f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
+        "r = oc.resources(k); ptx = k.asm['ptx']; "
+        "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); print(r)"
+    )
+    assert res["m64n64"] == 36 and res["m64n256"] == 8 and res["mma.sync"] == 0, res
+    assert res["shared_bytes"] <= 232448, res
+    assert res["shared_bytes"] <= triton_kernels.wgmma_shared_memory(64, 512, 64, 2, False), res
+    if not merge:
+        assert res["spill_bytes"] < 256, res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")

@@ -1,0 +1,80 @@
+"""64-row programs: both warpgroups scoring half of each tile's tokens (the shipped rows-on-M
+loop, ``wgmma_decode._consume_rows_on_m``) against warpgroup 0 scoring whole tiles and handing P
+to warpgroup 1 (``launch(one_scorer=True)``: ``_score_tiles``, ``_assist_tiles``), A/B on one
+machine in one process.
+
+Times decode + combine and the decode alone (CUDA-graph replays, rotated inputs) under the
+planner's plan and checks each variant's combined output against the float32 reference of
+``bench_decode``. Rounds alternate the variants' order.
+
+    python benchmarks/experiments/one_scorer.py --cases b,c,f --rounds 2 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench_decode as bd
+
+VARIANTS = {
+    "shipped": dict(rows_on_m=True),
+    "one_scorer": dict(one_scorer=True, num_warps=4),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="b,c,f")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    ceil = bd.ceilings()
+    rows = []
+    for name in args.cases.split(","):
+        case = bd.CASES[name]
+        copies = bd.input_copies(case, props.L2_cache_size)
+        first = copies[0]
+        ref = bd.reference(first, case)
+        floor = bd.floor_seconds(case, dict(ceil))
+        plan = bd.planned(case, first)
+        ns, ts = plan.num_splits, plan.total_splits
+        for rnd in range(args.rounds):
+            order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
+            for variant in order:
+                for with_combine in (True, False):
+                    fns = [
+                        bd.wgmma_call(inp, ns, ts, with_combine, **VARIANTS[variant])
+                        for inp in copies
+                    ]
+                    t, err = bd.time_call(fns, ref if with_combine else None)
+                    row = dict(
+                        case=name, variant=variant, round=rnd, combine=with_combine,
+                        num_splits=ns, total_splits=ts, us=t * 1e6, roofline_fraction=floor / t,
+                        rel_err=err,
+                    )  # fmt: skip
+                    rows.append(row)
+                    print(row, flush=True)
+        del copies, first
+        torch.cuda.empty_cache()
+    bd.save_experiment(args.out, "one_scorer", ceil, rows)
+    print(f"\n{props.name}; torch {torch.__version__}, triton {bd.triton.__version__}; {ceil}")
+    print(
+        f"{'case':5}{'variant':>12}{'round':>6}{'combine':>8}{'splits':>8}{'us':>9}{'roofline':>9}"
+    )
+    for r in rows:
+        splits = f"{r['num_splits']}/{r['total_splits']}"
+        print(
+            f"{r['case']:5}{r['variant']:>12}{r['round']:>6}{r['combine']!s:>8}{splits:>8}"
+            f"{r['us']:9.1f}{r['roofline_fraction']:9.3f}  {r['rel_err']:.1e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
