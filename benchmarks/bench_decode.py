@@ -49,7 +49,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mla_ops
-from mla_ops.planner import plan_splits
+from mla_ops.planner import SplitPlan, plan_splits
 
 L, R = 512, 64
 SCALE = 0.1352337788608801
@@ -353,7 +353,7 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
     return nbytes, flops
 
 
-def planned(case: Case, inp: Inputs):
+def planned(case: Case, inp: Inputs) -> SplitPlan:
     """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run."""
     from mla_ops import triton_kernels as tk
 
@@ -369,6 +369,28 @@ def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> li
     first = Inputs(case, gen, with_contiguous)
     n = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
     return [first] + [Inputs(case, gen, with_contiguous) for _ in range(n - 1)]
+
+
+@dataclass
+class ExperimentCase:
+    """What an A/B experiment needs of one case: the rotated input copies, the float32
+    reference of the first, the roofline's floor (seconds) and the planner's plan."""
+
+    copies: list[Inputs]
+    ref: torch.Tensor
+    floor_s: float
+    plan: SplitPlan
+
+
+def experiment_case(name: str, ceil: dict) -> ExperimentCase:
+    """Case ``name``'s inputs (enough copies to rotate past this GPU's L2), reference, floor
+    under the measured ceilings ``ceil`` and plan, for an experiment's A/B runs."""
+    case = CASES[name]
+    copies = input_copies(case, torch.cuda.get_device_properties(0).L2_cache_size)
+    return ExperimentCase(
+        copies, reference(copies[0], case), floor_seconds(case, dict(ceil)),
+        planned(case, copies[0]),
+    )  # fmt: skip
 
 
 def wgmma_call(

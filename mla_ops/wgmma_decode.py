@@ -779,6 +779,24 @@ def _consume_tiles(
 
 
 @gluon.jit
+def _scores_on_m(
+    kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, GATHER: gl.constexpr, io_layout: gl.constexpr,
+):  # fmt: skip
+    """Wait for the tile at ring position ``pos`` (``_await_tile``, stale rows zeroed); return
+    its ``kv_c`` slot and its scores with the rows on M, ``S [BLOCK_M, N] = Q K^T`` (``N`` is
+    ``s_zero``'s: the tile's tokens split over the warpgroups of ``s_zero``'s layout, or all of
+    them for one warpgroup)."""
+    kv = _await_tile(kv_ring, ready, pos, tile_start, end, NUM_STAGES, GATHER, True, io_layout)
+    s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if HAS_PE:
+        slot = pos % NUM_STAGES
+        s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    return kv, s
+
+
+@gluon.jit
 def _consume_rows_on_m(
     KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, p_smem, ready,
     free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
@@ -831,11 +849,10 @@ def _consume_rows_on_m(
             PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
         )  # fmt: skip
         n_bad += bad
-        kv = _await_tile(kv_ring, ready, i, tile_start, end, NUM_STAGES, GATHER, True, io_layout)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if HAS_PE:
-            s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        kv, s = _scores_on_m(
+            kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
+            HAS_PE, GATHER, io_layout,
+        )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         p, m_i, l_part, alpha = _online_softmax(
@@ -911,11 +928,10 @@ def _score_tiles(
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
-        kv = _await_tile(kv_ring, ready, i, tile_start, end, NUM_STAGES, False, True, io_layout)
-        s = warpgroup_mma(q_smem, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if HAS_PE:
-            s = warpgroup_mma(qpe_smem, pe_ring.index(slot).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        kv, s = _scores_on_m(
+            kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
+            HAS_PE, False, io_layout,
+        )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         p, m_i, l_i, alpha = _online_softmax(

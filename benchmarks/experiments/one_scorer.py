@@ -34,37 +34,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
-    props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
     for name in args.cases.split(","):
-        case = bd.CASES[name]
-        copies = bd.input_copies(case, props.L2_cache_size)
-        first = copies[0]
-        ref = bd.reference(first, case)
-        floor = bd.floor_seconds(case, dict(ceil))
-        plan = bd.planned(case, first)
-        ns, ts = plan.num_splits, plan.total_splits
+        ex = bd.experiment_case(name, ceil)
+        ns, ts = ex.plan.num_splits, ex.plan.total_splits
         for rnd in range(args.rounds):
             order = list(VARIANTS) if rnd % 2 == 0 else list(reversed(VARIANTS))
             for variant in order:
                 for with_combine in (True, False):
                     fns = [
                         bd.wgmma_call(inp, ns, ts, with_combine, **VARIANTS[variant])
-                        for inp in copies
+                        for inp in ex.copies
                     ]
-                    t, err = bd.time_call(fns, ref if with_combine else None)
+                    t, err = bd.time_call(fns, ex.ref if with_combine else None)
                     row = dict(
                         case=name, variant=variant, round=rnd, combine=with_combine,
-                        num_splits=ns, total_splits=ts, us=t * 1e6, roofline_fraction=floor / t,
-                        rel_err=err,
+                        num_splits=ns, total_splits=ts, us=t * 1e6,
+                        roofline_fraction=ex.floor_s / t, rel_err=err,
                     )  # fmt: skip
                     rows.append(row)
                     print(row, flush=True)
-        del copies, first
+        del ex
         torch.cuda.empty_cache()
     bd.save_experiment(args.out, "one_scorer", ceil, rows)
-    print(f"\n{props.name}; torch {torch.__version__}, triton {bd.triton.__version__}; {ceil}")
+    versions = f"torch {torch.__version__}, triton {bd.triton.__version__}"
+    print(f"\n{torch.cuda.get_device_name()}; {versions}; {ceil}")
     print(
         f"{'case':5}{'variant':>12}{'round':>6}{'combine':>8}{'splits':>8}{'us':>9}{'roofline':>9}"
     )

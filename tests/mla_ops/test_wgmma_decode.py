@@ -250,6 +250,20 @@ def test_producer_partition_matches_math_warps_copying(
     assert torch.equal(out_ws.nan_to_num(), out_0.nan_to_num())
 
 
+def _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse) -> None:
+    """With a bad page id in the second sequence (``case`` is changed): its partials' lse is
+    NaN at every row of its first split and nowhere else, and every other sequence's combined
+    output and lse equal ``out``/``lse``, the good cache's."""
+    _, s_q, heads, _ = case.q.shape
+    case.block_table[1, 0] = 10**6
+    out_p, lse_p = kernels.decode(*case.op_args())
+    assert torch.isnan(lse_p[1, ..., 0]).all()
+    assert torch.isnan(lse_p).sum() == s_q * heads
+    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
+    keep = [b for b in range(case.q.shape[0]) if b != 1]
+    assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
+
+
 @requires_hopper
 @pytest.mark.parametrize("rows_on_m", [False, True])
 @pytest.mark.parametrize(
@@ -275,14 +289,7 @@ def test_64_row_programs_either_orientation(
     assert kernels.LAST_LAUNCH["wgmma_rows_on_m"] is rows_on_m
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    # A bad page id in the second sequence: its partials are NaN, the others' are unchanged.
-    case.block_table[1, 0] = 10**6
-    out_p, lse_p = kernels.decode(*case.op_args())
-    assert torch.isnan(lse_p[1, ..., 0]).all()
-    assert torch.isnan(lse_p).sum() == s_q * heads
-    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
-    keep = [b for b in range(len(lengths)) if b != 1]
-    assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
+    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
 
 
 def _launch_one_scorer(monkeypatch) -> list[bool]:
@@ -328,13 +335,7 @@ def test_one_scorer_programs(
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     again = run(kernels, case)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    case.block_table[1, 0] = 10**6
-    out_p, lse_p = kernels.decode(*case.op_args())
-    assert torch.isnan(lse_p[1, ..., 0]).all()
-    assert torch.isnan(lse_p).sum() == s_q * heads
-    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
-    keep = [b for b in range(len(lengths)) if b != 1]
-    assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
+    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
 
 
 @requires_hopper
