@@ -1553,8 +1553,9 @@ def launch(
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
+        # A one-scorer program keeps the rows-on-M order (its loop holds the chunk the same way).
         longest_first = default_longest_first(
-            batch, num_splits, total_splits, lengths_per_step, rows_on_m
+            batch, num_splits, total_splits, lengths_per_step, rows_on_m or one_scorer
         )
     if longest_first and not _can_rank(batch, num_splits, total_splits, lengths_per_step):
         raise ValueError(
