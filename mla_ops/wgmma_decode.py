@@ -1378,9 +1378,10 @@ def _mla_decode_wgmma_kernel(
     lse = gl.where(n_bad > 0, float("nan"), lse)
     s_st = rows_st // H
     h_st = rows_st % H
-    # A sequence cut into one chunk writes its final rows here (mla::combine of one split is
-    # exactly this cast); with more, every chunk writes its partial (MERGE: and the program that
-    # arrives last merges them; splits past the sequence's chunks exited above).
+    # Without MERGE every chunk writes its partial. With MERGE, a sequence cut into one chunk
+    # writes its final rows here (mla::combine of one split is exactly this cast); with more,
+    # every chunk writes its partial and the program that arrives last merges them (splits past
+    # the sequence's chunks exited above).
     n_real = gl.cdiv(seqlen, chunk)
     # The output in column parts: a one-scorer program's 4 warps hold half of it in registers
     # and get the other half from warpgroup 1 through shared memory (_assist_tiles).

@@ -857,9 +857,10 @@ def test_rows_on_m_loads_the_query_before_the_first_copies() -> None:
 def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     """``one_scorer``: the scores are 36 ``m64n64k16`` (one warpgroup, the whole tile: 32 for
     the nope part, 4 for RoPE) and P.V two chains of 4 ``m64n256k16`` (one per warpgroup), within
-    one SM's shared memory and ``wgmma_shared_memory``'s bound for the ring of two. Spills: none
-    without the merge; the merge's (about 1.9 KB per thread under Triton 3.6) stay below the
-    output half a warpgroup holds (512 bytes per thread)."""
+    one SM's shared memory and ``wgmma_shared_memory``'s bound for the ring of two. Without the
+    merge, less spill than the output half a thread holds (512 bytes; none under Triton 3.6).
+    With the merge the spill is not bounded here: 1,912 bytes under Triton 3.6 (NOTES.md item
+    43), which the A/B's timings include."""
     from mla_ops import triton_kernels
 
     res = _offline_compile(
