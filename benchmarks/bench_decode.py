@@ -410,12 +410,14 @@ def wgmma_call(
     b, s_q, h, _ = inp.q.shape
     block_m, warps = tk.wgmma_tiling(s_q * h)
     float8 = kv_c.dtype == torch.float8_e4m3fn
+    gather = launch_kw.get("gather", kv_c.shape[1] % wd.BLOCK_N != 0)
+    one_scorer = launch_kw.get("one_scorer", wd.default_one_scorer(block_m, float8, gather))
     smem = tk.shared_memory_optin(inp.q.device)
     kw = dict(
-        block_m=block_m, num_warps=warps,
+        block_m=block_m, num_warps=4 if one_scorer else warps, one_scorer=one_scorer,
         num_stages=tk.wgmma_stages(block_m, kv_c.shape[-1], k_pe.shape[-1], float8, smem),
         min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
-        gather=kv_c.shape[1] % wd.BLOCK_N != 0, fill_empty=False,
+        gather=gather, fill_empty=False,
     )  # fmt: skip
     kw.update(launch_kw)
     launch = (module or wd).launch
@@ -526,6 +528,10 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     )
     o_p, l_p = torch.ops.mla.decode(*first.op_args(*plan))
     kernel = tk.LAST_LAUNCH["decode_path"]
+    loop = None  # the wgmma kernel's loop (wgmma_decode's module docstring)
+    if kernel == "wgmma":
+        one_scorer, on_m = tk.LAST_LAUNCH["wgmma_one_scorer"], tk.LAST_LAUNCH["wgmma_rows_on_m"]
+        loop = "one-scorer" if one_scorer else "rows-on-M" if on_m else "transposed"
     t_alone = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
@@ -538,6 +544,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
             combine_share=in_call_us / ours.time_us,
             combine_alone_us=t_alone * 1e6,
             kernel=kernel,  # wgmma (Gluon), tma or gather (Triton)
+            wgmma_loop=loop,
             merge=merge,  # who merges the splits, and why
         )
     return rows

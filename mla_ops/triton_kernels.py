@@ -587,8 +587,10 @@ def wgmma_tiling(query_rows: int) -> tuple[int, int]:
     N). 16-row programs are one warpgroup (O^T is 64 float32 registers per thread); 32 and 64 rows
     take two warpgroups, which split the scores' rows (64 rows over a 16-bit cache: tokens, with
     the rows on M, ``wgmma_decode.default_rows_on_m``) and the output's latent columns, so the
-    output stays at 64 or 128 registers per thread (offline sm_90 compile: 165 / 254 registers,
-    no spills).
+    output stays at 64 or 128 registers per thread (offline sm_90 compile: 165 / 228 registers,
+    no spills). 64-row programs whose 16-bit tiles arrive by TMA are one-scorer programs instead
+    (``wgmma_decode.default_one_scorer``): the launch's ``num_warps`` is then 4, warpgroup 0's,
+    and warpgroup 1 is a partition of its own.
     """
     block_m = rows_per_program(query_rows)
     return block_m, 4 if block_m <= 16 else 8
@@ -824,13 +826,20 @@ def _launch_wgmma(
     LAST_LAUNCH["wgmma_loads"] = loads
     block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
     float8 = kv_c.dtype == torch.float8_e4m3fn
+    gather = loads == "gather"
     stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
-    producer_warps = wgmma_decode.default_producer_warps(num_warps, loads == "gather")
+    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
+    LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
+    if one_scorer:
+        # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
+        num_warps, producer_warps, rows_on_m = 4, 0, False
+    else:
+        producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
+        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
     LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
-    rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
     LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
     longest_first = wgmma_decode.default_longest_first(
-        q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m
+        q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m or one_scorer
     )
     LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
     with torch.cuda.device(q.device):
@@ -838,9 +847,9 @@ def _launch_wgmma(
             q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
             kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
             num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
-            lengths_per_step=LENGTHS_PER_STEP, gather=loads == "gather", fill_empty=fill_empty,
-            producer_warps=producer_warps, rows_on_m=rows_on_m, merge_into=merge_into,
-            longest_first=longest_first,
+            lengths_per_step=LENGTHS_PER_STEP, gather=gather, fill_empty=fill_empty,
+            producer_warps=producer_warps, rows_on_m=rows_on_m, one_scorer=one_scorer,
+            merge_into=merge_into, longest_first=longest_first,
         )  # fmt: skip
 
 

@@ -26,9 +26,11 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   warps a transposed tile's tokens lie over (benchmarks/NOTES.md items 24 and 28). Splitting the
   tokens makes each warpgroup read the whole query from shared memory for its 32: the scores run
   at the shared-memory bound, 1.5x the time one warpgroup takes for the whole tile (item 43).
-  ``launch(one_scorer=True)``, an experiment, has warpgroup 0 score whole tiles and hand ``P`` to
-  a second warpgroup, a partition of its own, for the other half of P.V (``_score_tiles``,
-  ``_assist_tiles``).
+  Where the tiles arrive by TMA, the op therefore runs one-scorer programs instead
+  (``launch(one_scorer=True)``, ``default_one_scorer``): warpgroup 0 scores whole tiles with
+  ``m64n64k16`` and runs the softmax, then hands ``P`` to warpgroup 1, a partition of its own
+  that issues the copies and takes the other half of P.V (``_score_tiles``, ``_assist_tiles``;
+  FlashMLA's split of the work; 17-23 % faster on cases (b) and (f) on an H100, item 44).
 * KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA (or
   ``cp.async`` gathers) and tracked by mbarriers, so the loads run ahead of the math without any
   warp waiting on them. In 16-row programs a producer partition of its own (warp specialisation:
@@ -1458,8 +1460,18 @@ def default_producer_warps(num_warps: int, gather: bool) -> int:
 def default_rows_on_m(block_m: int, num_warps: int, float8: bool) -> bool:
     """Whether a program puts its query rows on the MMA's M side (``_consume_rows_on_m``):
     64-row programs of two warpgroups over a 16-bit cache (a float8 cache keeps the transposed
-    loop, which converts each tile once for both products)."""
+    loop, which converts each tile once for both products). The op asks only where
+    ``default_one_scorer`` declines: gathered tiles."""
     return block_m == 64 and num_warps == 8 and not float8
+
+
+def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
+    """Whether a program is a one-scorer program (``launch(one_scorer=True)``: warpgroup 0 scores
+    whole tiles, warpgroup 1 is a partition of its own that copies and takes half of P.V): 64 rows
+    over a 16-bit cache whose tiles arrive by TMA (warpgroup 1 issues bulk copies only). A
+    gathered cache keeps the rows-on-M loop, a float8 cache the transposed loop (it converts each
+    tile once for both products)."""
+    return block_m == 64 and not float8 and not gather
 
 
 def default_longest_first(
@@ -1525,9 +1537,9 @@ def launch(
     their own that issue the copies (0: the math warps issue them; None: ``producer_warps``).
     rows_on_m: the query rows on the MMA's M side (``_consume_rows_on_m``; None:
     ``default_rows_on_m``). one_scorer: 64 rows on M with warpgroup 0 scoring whole tiles
-    and the two warpgroups splitting P.V (``_score_tiles``, ``_assist_tiles``; an experiment:
-    ``num_warps`` is then warpgroup 0's 4, ``num_stages`` 2, copy-engine tiles of a 16-bit
-    cache). longest_first: programs take the chunks longest first
+    and the two warpgroups splitting P.V (``_score_tiles``, ``_assist_tiles``; the op's choice
+    is ``default_one_scorer``): ``num_warps`` is then warpgroup 0's 4, ``num_stages`` 2,
+    copy-engine tiles of a 16-bit cache. longest_first: programs take the chunks longest first
     (``_longest_first``; None: ``default_longest_first``), else split-major.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a

@@ -43,7 +43,9 @@ def main() -> None:
             for rows_on_m in (False, True):
                 for with_combine in (True, False):
                     fns = [
-                        bd.wgmma_call(inp, ns, ts, with_combine, rows_on_m=rows_on_m)
+                        bd.wgmma_call(
+                            inp, ns, ts, with_combine, rows_on_m=rows_on_m, one_scorer=False
+                        )
                         for inp in copies
                     ]
                     t, err = bd.time_call(fns, ref if with_combine else None)

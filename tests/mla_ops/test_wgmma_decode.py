@@ -274,12 +274,15 @@ def _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse) -> None:
 def test_64_row_programs_either_orientation(
     kernels, monkeypatch, rows_on_m: bool, heads: int, s_q: int, page_size: int, lengths: list[int]
 ) -> None:
-    """64-row programs with the query rows on the MMA's M side (``S = Q K^T``, the default for a
-    16-bit cache) or transposed (``S^T = K Q^T``) match the float64 reference: empty, 1-token and
-    tile-edge lengths, causal S_q > 1, a partial last row block (43 heads x 3), copy-engine and
-    gathered tiles, several splits; a bad page id makes only its split's rows NaN."""
+    """64-row programs of two warpgroups that split the scores, with the query rows on the MMA's
+    M side (``S = Q K^T``, the default for a gathered 16-bit cache) or transposed
+    (``S^T = K Q^T``), match the float64 reference: empty, 1-token and tile-edge lengths, causal
+    S_q > 1, a partial last row block (43 heads x 3), copy-engine and gathered tiles, several
+    splits; a bad page id makes only its split's rows NaN. (Copy-engine tiles of a 16-bit cache
+    otherwise take one-scorer programs: ``test_one_scorer_programs``.)"""
     from mla_ops import wgmma_decode
 
+    monkeypatch.setattr(wgmma_decode, "default_one_scorer", lambda *args: False)
     monkeypatch.setattr(wgmma_decode, "default_rows_on_m", lambda *args: rows_on_m)
     case = make_case(
         29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
@@ -287,28 +290,10 @@ def test_64_row_programs_either_orientation(
     )  # fmt: skip
     out, lse = run(kernels, case)
     assert kernels.LAST_LAUNCH["wgmma_rows_on_m"] is rows_on_m
+    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is False
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
-
-
-def _launch_one_scorer(monkeypatch) -> list[bool]:
-    """Every 64-row launch of a 16-bit cache from here on takes ``one_scorer`` (an experiment,
-    not the op's default): warpgroup 0's 4 warps and warpgroup 1's partition. Returns the list
-    that records, per launch, whether it did."""
-    from mla_ops import wgmma_decode
-
-    shipped = wgmma_decode.launch
-    taken: list[bool] = []
-
-    def one_scorer(*args, **kw):
-        taken.append(kw["block_m"] == 64 and kw["rows_on_m"])
-        if taken[-1]:
-            kw.update(one_scorer=True, num_warps=4, rows_on_m=None, producer_warps=None)
-        return shipped(*args, **kw)
-
-    monkeypatch.setattr(wgmma_decode, "launch", one_scorer)
-    return taken
 
 
 @requires_hopper
@@ -318,19 +303,20 @@ def _launch_one_scorer(monkeypatch) -> list[bool]:
      (64, 1, 128, [4097, 63])],
 )  # fmt: skip
 def test_one_scorer_programs(
-    kernels, monkeypatch, heads: int, s_q: int, page_size: int, lengths: list[int]
+    kernels, heads: int, s_q: int, page_size: int, lengths: list[int]
 ) -> None:
-    """64-row programs whose warpgroup 0 scores whole tiles and hands P to warpgroup 1
-    (``launch(one_scorer=True)``) match the float64 reference: empty, 1-token and tile-edge
-    lengths, causal S_q > 1, a partial last row block (43 heads x 3), several splits, pages of
-    two tiles; a bad page id makes only its split's rows NaN; the same bits on a second call."""
-    taken = _launch_one_scorer(monkeypatch)
+    """64-row programs of a 16-bit cache with copy-engine tiles are one-scorer programs (the op's
+    default: warpgroup 0 scores whole tiles and hands P to warpgroup 1, ``launch(one_scorer=True)``)
+    and match the float64 reference: empty, 1-token and tile-edge lengths, causal S_q > 1, a
+    partial last row block (43 heads x 3), several splits, pages of two tiles; a bad page id makes
+    only its split's rows NaN; the same bits on a second call."""
     case = make_case(
         29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
         heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
     )  # fmt: skip
     out, lse = run(kernels, case)
-    assert taken == [True]
+    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
+    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     again = run(kernels, case)
@@ -342,7 +328,6 @@ def test_one_scorer_programs(
 def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
     """``mla::attention`` over one-scorer programs with the in-kernel merge: both output halves
     (warpgroup 1's through shared memory) reach the final rows and the merge's partials."""
-    taken = _launch_one_scorer(monkeypatch)
     monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
     case = make_case(
         61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), heads=128, s_q=2, page_size=64,
@@ -350,7 +335,7 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
     )  # fmt: skip
     out, lse = kernels.attention(*case.op_args())
     assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
-    assert taken == [True]
+    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     assert not kernels.arrival_counters(case.q.device, 1).any()
@@ -662,6 +647,20 @@ def test_rows_on_m_default() -> None:
     assert not wgmma_decode.default_rows_on_m(64, 8, float8=True)
     assert not wgmma_decode.default_rows_on_m(32, 8, float8=False)
     assert not wgmma_decode.default_rows_on_m(16, 4, float8=False)
+
+
+def test_one_scorer_default() -> None:
+    """One-scorer programs exactly for 64 rows over a 16-bit cache whose tiles arrive by TMA:
+    gathered tiles keep the rows-on-M loop, a float8 cache the transposed one, fewer rows their
+    own tiling."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    from mla_ops import wgmma_decode
+
+    assert wgmma_decode.default_one_scorer(64, float8=False, gather=False)
+    assert not wgmma_decode.default_one_scorer(64, float8=False, gather=True)
+    assert not wgmma_decode.default_one_scorer(64, float8=True, gather=False)
+    assert not wgmma_decode.default_one_scorer(32, float8=False, gather=False)
+    assert not wgmma_decode.default_one_scorer(16, float8=False, gather=False)
 
 
 @requires_hopper
