@@ -842,6 +842,12 @@ def _launch_wgmma(
         q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m or one_scorer
     )
     LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
+    if log.isEnabledFor(logging.DEBUG):
+        loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
+        log.debug(
+            "mla::decode wgmma: %d-row %s programs (%s loads, %s cache), %s",
+            block_m, loop, loads, kv_c.dtype, LAST_LAUNCH["wgmma_order"],
+        )  # fmt: skip
     with torch.cuda.device(q.device):
         LAST_LAUNCH["decode"] = wgmma_decode.launch(
             q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,

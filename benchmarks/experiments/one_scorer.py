@@ -32,8 +32,9 @@ VARIANTS = {
 
 def op_calls(ex: bd.ExperimentCase, variant: str) -> list:
     """``mla_decode`` on each input copy, with the op's one-scorer choice as is (``one_scorer``)
-    or turned off (``rows_on_m``). The choice is made per call, so the patch lasts only while the
-    closures are captured into graphs (``time_call`` captures them before it returns)."""
+    or turned off (``rows_on_m``). The op chooses on every call, so each closure patches the
+    choice for its own call only; ``time_call`` captures the calls in CUDA graphs, which keep the
+    kernel each launched."""
     from mla_ops import wgmma_decode as wd
 
     chosen = wd.default_one_scorer
