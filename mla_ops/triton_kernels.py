@@ -1043,7 +1043,11 @@ def combine(
 # real chunk per sequence, gain 1.4-6 % ((a) 0.911 -> 0.928, (f) 0.589 -> 0.627, (g) 0.891 ->
 # 0.902); sequences in several chunks merge as fast as ``mla::combine`` at 2 splits ((b) 0.511
 # vs 0.507) and slower at 4 ((b) 0.507 -> 0.489, (e) 0.723 -> 0.706), where the merge runs after
-# the last chunk on one multiprocessor per row block instead of across the machine.
+# the last chunk on one multiprocessor per row block instead of across the machine. With
+# one-scorer 64-row programs (item 45, H100 and H200) a batch of one chunk per sequence gains 7 %
+# ((f)), and sequences in two chunks lose: (b) at 2 splits 94 against 82-84 us, a ragged
+# 40-sequence batch 161-163 against 152-153 us. The plan reads no lengths, so it cannot tell them
+# apart.
 MERGE_MAX_SPLITS = 2
 
 # Arrival counters of the merging wgmma kernel, per (device index, stream): every launch leaves

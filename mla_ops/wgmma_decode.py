@@ -250,9 +250,15 @@ def _merge_splits(
     thread holding all splits of its columns), so the reads are in flight together rather than
     one dependent L2 round trip per split (a loop over splits cost (b) 15 % of its call). Read with
     ``.cg``: from L2, never a stale L1 line."""
-    CHUNK_L: gl.constexpr = 64 if L > 64 else L
+    # A warp's 32 lanes span the block's columns and, where a warp holds 16 or more rows (a
+    # one-scorer program: 64 rows on 4 warps), also 4 rows, with 16-byte loads: a thread holding
+    # 16 rows of every split spilled 1,912 bytes there (sm_90, Triton 3.6), and 4 rows of 4
+    # columns merged 64-row blocks 20-25 % faster than it (NOTES.md item 45).
+    ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1
+    VEC: gl.constexpr = 4 if ROW_LANES > 1 else 2
+    CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)
     parts_layout: gl.constexpr = gl.BlockedLayout(
-        [MAX_SPLITS, 2, 1], [1, 32, 1], [1, 1, num_warps], [1, 0, 2]
+        [MAX_SPLITS, VEC, 1], [1, 32 // ROW_LANES, ROW_LANES], [1, 1, num_warps], [1, 0, 2]
     )
     split_layout: gl.constexpr = gl.SliceLayout(1, parts_layout)  # [MAX_SPLITS, BLOCK_M]
     out_layout: gl.constexpr = gl.SliceLayout(0, parts_layout)  # [CHUNK_L, BLOCK_M]

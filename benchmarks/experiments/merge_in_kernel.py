@@ -7,12 +7,22 @@ extra split counts given, and checks each variant's output against the float32 r
 ``bench_decode``.
 
     python benchmarks/experiments/merge_in_kernel.py --cases a,b,e,f,g --splits b:2 --out $OUT
+    python benchmarks/experiments/merge_in_kernel.py --cases b,br32,br40,f,e --splits b:2 --before \
+        --diagnose lse_only,no_part_reads,c64
 
-``--row-lanes`` also times the in-kernel merge of a variant built from the kernel's source
-(``ROW_LANES``, not shipped; NOTES.md item 44): in a program of 4 warps and 64 rows (a one-scorer
-program), each thread of ``_merge_splits`` holds 16 rows of every split, and the shipped layout
-spills 1,912 bytes there (offline sm_90 compile, Triton 3.6); four lanes per row and 32-column
-blocks leave it 4 rows and no spill.
+``--before`` also times the in-kernel merge of the layout shipped before NOTES.md item 45
+(``BEFORE_ROW_LANES``, built from the kernel's source): in a program of 4 warps and 64 rows (a
+one-scorer program) each thread of ``_merge_splits`` held 16 rows of every split and spilled 1,912
+bytes (offline sm_90, Triton 3.6); the shipped layout gives a warp's lanes 4 rows and no spill.
+
+``--diagnose lse_only,no_part_reads,c64,c128`` times variants of the shipped kernel that leave
+parts of the merge out or read more at once (``DIAGNOSTIC``; their outputs are garbage):
+``lse_only`` runs the arrival protocol and the lse merge alone, ``no_part_reads`` stores every
+output row without reading a partial, ``c64`` / ``c128`` merge 64- / 128-column blocks.
+
+Besides the issue's cases, two ragged 64-row batches of this experiment's own (lengths uniform in
+[1, 8192], 128 heads): ``br32`` (32 sequences, the planner's 4 splits, as (b)) and ``br40`` (40
+sequences, 2 splits: a batch the op merges in the kernel).
 """
 
 from __future__ import annotations
@@ -33,20 +43,52 @@ import wgmma_bottleneck as wb
 from mla_ops import triton_kernels as tk
 from mla_ops import wgmma_decode
 
-ROW_LANES = [
+BEFORE_ROW_LANES = [
     (
-        "    CHUNK_L: gl.constexpr = 64 if L > 64 else L\n"
-        "    parts_layout: gl.constexpr = gl.BlockedLayout(\n"
-        "        [MAX_SPLITS, 2, 1], [1, 32, 1], [1, 1, num_warps], [1, 0, 2]\n"
-        "    )\n",
-        "    ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1\n"
-        "    CHUNK_L: gl.constexpr = 64 // ROW_LANES * 2 if L > 64 // ROW_LANES * 2 else L\n"
-        "    parts_layout: gl.constexpr = gl.BlockedLayout(\n"
-        "        [MAX_SPLITS, 2, 1], [1, 32 // ROW_LANES, ROW_LANES], [1, 1, num_warps], "
-        "[1, 0, 2]\n"
-        "    )\n",
-    )
+        "    ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1\n",
+        "    ROW_LANES: gl.constexpr = 1\n",
+    ),
+    (
+        "    VEC: gl.constexpr = 4 if ROW_LANES > 1 else 2\n",
+        "    VEC: gl.constexpr = 2\n",
+    ),
+    (
+        "    CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)\n",
+        "    CHUNK_L: gl.constexpr = min(64, L)\n",
+    ),
 ]
+
+# Diagnostic variants (results garbage, times only): where the merging program's time goes.
+FIRST_LOAD = (
+    "        part_rows + gl.expand_dims(gl.expand_dims(offs_c * stride_od, 1), 0), mask=read,\n"
+)
+NEXT_LOAD = (
+    "            following = gl.load(part_rows + col3, mask=read, other=0.0, "
+    'cache_modifier=".cg")\n'
+)
+NO_READ = "read & (n_real < 0)"
+CHUNK_32 = "    CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)\n"
+DIAGNOSTIC = {
+    # The arrival protocol and the lse merge only: no partial read, no output row stored.
+    "lse_only": [
+        ("    for c in gl.static_range(L // CHUNK_L):\n", "    for c in gl.static_range(0):\n"),
+        (FIRST_LOAD, FIRST_LOAD.replace("mask=read", f"mask={NO_READ}")),
+    ],
+    # Every output row stored, no partial read (masked off: the loads issue, no bytes move).
+    "no_part_reads": [
+        (FIRST_LOAD, FIRST_LOAD.replace("mask=read", f"mask={NO_READ}")),
+        (NEXT_LOAD, NEXT_LOAD.replace("mask=read", f"mask={NO_READ}")),
+    ],
+    # More bytes in flight: 64- and 128-column blocks in one-scorer programs (the next block is
+    # loaded while this one is merged, so two blocks are in flight).
+    "c64": [(CHUNK_32, CHUNK_32.replace("32 if", "64 if"))],
+    "c128": [(CHUNK_32, CHUNK_32.replace("32 if", "128 if"))],
+}
+
+EXTRA_CASES = {
+    "br32": bd.Case("br32", 32, 128, 8192, ragged=True),
+    "br40": bd.Case("br40", 40, 128, 8192, ragged=True),
+}
 
 
 def attention_call(args: tuple):
@@ -59,19 +101,23 @@ def main() -> None:
     ap.add_argument("--cases", default="a,b,e,f,g")
     ap.add_argument("--splits", default="", help="extra split counts (even plans), case:n,...")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--row-lanes", action="store_true", help="also the ROW_LANES merge variant")
+    ap.add_argument("--before", action="store_true", help="also the merge layout before item 45")
+    ap.add_argument("--diagnose", default="", help="diagnostic variants: " + ",".join(DIAGNOSTIC))
     args = ap.parse_args()
     launches = {"kernel": wgmma_decode.launch}
-    if args.row_lanes:
-        wb.VARIANTS["row_lanes"] = ROW_LANES
-        launches["kernel_row_lanes"] = wb.build("row_lanes", Path(tempfile.mkdtemp())).launch
+    if args.before:
+        wb.VARIANTS["before_row_lanes"] = BEFORE_ROW_LANES
+        launches["kernel_before"] = wb.build("before_row_lanes", Path(tempfile.mkdtemp())).launch
+    for name in filter(None, args.diagnose.split(",")):
+        wb.VARIANTS[name] = DIAGNOSTIC[name]
+        launches[f"kernel_{name}"] = wb.build(name, Path(tempfile.mkdtemp())).launch
     extra = bd.case_counts(args.splits)
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
     shipped = tk.MERGE_MAX_SPLITS
     for name in args.cases.split(","):
-        case = bd.CASES[name]
+        case = bd.CASES.get(name) or EXTRA_CASES[name]
         copies = bd.input_copies(case, props.L2_cache_size)
         ref = bd.reference(copies[0], case)
         floor = bd.floor_seconds(case, dict(ceil))

@@ -857,21 +857,23 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     """``one_scorer``: the scores are 36 ``m64n64k16`` (one warpgroup, the whole tile: 32 for
     the nope part, 4 for RoPE) and P.V two chains of 4 ``m64n256k16`` (one per warpgroup), within
     one SM's shared memory and ``wgmma_shared_memory``'s bound for the ring of two. Without the
-    merge, less spill than the output half a thread holds (512 bytes; none under Triton 3.6).
-    With the merge the spill is not bounded here: 1,912 bytes under Triton 3.6 (NOTES.md item
-    43), which the A/B's timings include."""
+    merge or with it, less spill than the output half a thread holds (512 bytes; none under
+    Triton 3.6). The merge reads the partials in 16-byte loads, 4 rows of 4 columns a thread
+    (before NOTES.md item 45 it held 16 rows and spilled 1,912 bytes under Triton 3.6)."""
     from mla_ops import triton_kernels
 
     res = _offline_compile(
         f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
-        "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); print(r)"
+        "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); "
+        "r['cg_v4'] = ptx.count('ld.global.cg.v4'); r['cg'] = ptx.count('ld.global.cg'); print(r)"
     )
     assert res["m64n64"] == 36 and res["m64n256"] == 8 and res["mma.sync"] == 0, res
     assert res["shared_bytes"] <= 232448, res
     assert res["shared_bytes"] <= triton_kernels.wgmma_shared_memory(64, 512, 64, 2, False), res
-    if not merge:
-        assert res["spill_bytes"] < 256, res
+    assert res["spill_bytes"] < 256, res
+    # The merge's partial reads (every ld.global.cg but the lse's) are 16 bytes wide.
+    assert (res["cg_v4"] > 0) == merge and res["cg"] - res["cg_v4"] <= (16 if merge else 0), res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
