@@ -1045,8 +1045,8 @@ def combine(
 # vs 0.507) and slower at 4 ((b) 0.507 -> 0.489, (e) 0.723 -> 0.706), where the merge runs after
 # the last chunk on one multiprocessor per row block instead of across the machine. With
 # one-scorer 64-row programs (item 45, H100 and H200) a batch of one chunk per sequence gains 7 %
-# ((f)), and sequences in two chunks lose: (b) at 2 splits 94 against 82-84 us, a ragged
-# 40-sequence batch 161-163 against 152-153 us. The plan reads no lengths, so it cannot tell them
+# ((f)), and sequences in two chunks lose: (b) at 2 splits 88-90 against 81-84 us, a ragged
+# 40-sequence batch 159-160 against 153-154 us. The plan reads no lengths, so it cannot tell them
 # apart.
 MERGE_MAX_SPLITS = 2
 

@@ -298,23 +298,49 @@ def _merge_splits(
     lse_out = gl.convert_layout(s_idx * stride_gs + h_idx * stride_gh, row_layout)
     gl.store(LSE_OUT + b64 * stride_gb + lse_out, lse, mask=gl.convert_layout(row_ok, row_layout))
     # Column blocks software-pipelined: the next block's loads are issued before this block's
-    # stores (which the compiler cannot reorder loads across: they might alias).
-    part = gl.load(
-        part_rows + gl.expand_dims(gl.expand_dims(offs_c * stride_od, 1), 0), mask=read,
-        other=0.0, cache_modifier=".cg",
-    )  # fmt: skip
-    for c in gl.static_range(L // CHUNK_L):
-        if c + 1 < L // CHUNK_L:
-            col3 = gl.expand_dims(gl.expand_dims(((c + 1) * CHUNK_L + offs_c) * stride_od, 1), 0)
-            following = gl.load(part_rows + col3, mask=read, other=0.0, cache_modifier=".cg")
-        out = gl.sum(part * gl.expand_dims(weight, 1), 0)  # [CHUNK_L, BLOCK_M]
-        out = gl.where(nan_out[None, :], float("nan"), out)
-        ptrs = (
-            OUT + b64 * stride_fb + (c * CHUNK_L + offs_c)[:, None] * stride_fd + rows_out[None, :]
-        )
-        gl.store(ptrs, out, mask=ok_out[None, :])
-        if c + 1 < L // CHUNK_L:
+    # stores (which the compiler cannot reorder loads across: they might alias). In one-scorer
+    # programs the blocks are a loop, not unrolled: the merge runs once per program, and the
+    # unrolled code (2,300 instructions) ran from a cold instruction cache, its warps stalled on
+    # instruction fetch (ncu); rolled, (b)'s merge took 5-10 us less, while 16-row programs
+    # merged 1.3 us slower rolled than unrolled (NOTES.md item 45).
+    NUM_BLOCKS: gl.constexpr = L // CHUNK_L
+    part = _merge_block_load(part_rows, offs_c, stride_od, read, 0, CHUNK_L)
+    if ROW_LANES > 1:
+        for c in range(NUM_BLOCKS):
+            following = _merge_block_load(
+                part_rows, offs_c, stride_od, read & (c + 1 < NUM_BLOCKS), c + 1, CHUNK_L
+            )  # fmt: skip
+            _merge_block_store(part, weight, nan_out, OUT + b64 * stride_fb, rows_out, ok_out,
+                               offs_c, stride_fd, c, CHUNK_L)  # fmt: skip
             part = following
+    else:
+        for c in gl.static_range(NUM_BLOCKS):
+            if c + 1 < NUM_BLOCKS:
+                following = _merge_block_load(part_rows, offs_c, stride_od, read, c + 1, CHUNK_L)
+            _merge_block_store(part, weight, nan_out, OUT + b64 * stride_fb, rows_out, ok_out,
+                               offs_c, stride_fd, c, CHUNK_L)  # fmt: skip
+            if c + 1 < NUM_BLOCKS:
+                part = following
+
+
+@gluon.jit
+def _merge_block_load(part_rows, offs_c, stride_od, read, c, CHUNK_L: gl.constexpr):
+    """Column block ``c`` of every split's partial rows: ``[MAX_SPLITS, CHUNK_L, BLOCK_M]``, read
+    past L1 (``.cg``: from L2, never a stale L1 line)."""
+    cols = gl.expand_dims(gl.expand_dims((c * CHUNK_L + offs_c) * stride_od, 1), 0)
+    return gl.load(part_rows + cols, mask=read, other=0.0, cache_modifier=".cg")
+
+
+@gluon.jit
+def _merge_block_store(
+    part, weight, nan_out, OUT_B, rows_out, ok_out, offs_c, stride_fd, c, CHUNK_L: gl.constexpr
+):
+    """Column block ``c`` of the merged rows: the splits of ``part`` weighted by ``weight`` (NaN
+    rows where a split was poisoned), stored in ``OUT_B``'s dtype."""
+    out = gl.sum(part * gl.expand_dims(weight, 1), 0)  # [CHUNK_L, BLOCK_M]
+    out = gl.where(nan_out[None, :], float("nan"), out)
+    ptrs = OUT_B + (c * CHUNK_L + offs_c)[:, None] * stride_fd + rows_out[None, :]
+    gl.store(ptrs, out, mask=ok_out[None, :])
 
 
 @gluon.jit

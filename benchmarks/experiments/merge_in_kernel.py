@@ -43,7 +43,12 @@ import wgmma_bottleneck as wb
 from mla_ops import triton_kernels as tk
 from mla_ops import wgmma_decode
 
+# One-scorer programs' column loop unrolled, as before item 45 (its code then ran from a cold
+# instruction cache): every program takes the unrolled branch.
+UNROLLED = [("    if ROW_LANES > 1:\n        for c in range(NUM_BLOCKS):\n",
+             "    if False:\n        for c in range(NUM_BLOCKS):\n")]  # fmt: skip
 BEFORE_ROW_LANES = [
+    *UNROLLED,
     (
         "    ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1\n",
         "    ROW_LANES: gl.constexpr = 1\n",
@@ -59,30 +64,36 @@ BEFORE_ROW_LANES = [
 ]
 
 # Diagnostic variants (results garbage, times only): where the merging program's time goes.
-FIRST_LOAD = (
-    "        part_rows + gl.expand_dims(gl.expand_dims(offs_c * stride_od, 1), 0), mask=read,\n"
-)
-NEXT_LOAD = (
-    "            following = gl.load(part_rows + col3, mask=read, other=0.0, "
-    'cache_modifier=".cg")\n'
-)
 NO_READ = "read & (n_real < 0)"
+FIRST_LOAD = "    part = _merge_block_load(part_rows, offs_c, stride_od, read, 0, CHUNK_L)\n"
+ROLLED_LOAD = (
+    "                part_rows, offs_c, stride_od, read & (c + 1 < NUM_BLOCKS), c + 1, CHUNK_L\n"
+)
+STATIC_LOAD = "_merge_block_load(part_rows, offs_c, stride_od, read, c + 1, CHUNK_L)"
+ROLLED_LOOP = "        for c in range(NUM_BLOCKS):\n"
+STATIC_LOOP = "        for c in gl.static_range(NUM_BLOCKS):\n"
 CHUNK_32 = "    CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)\n"
 DIAGNOSTIC = {
     # The arrival protocol and the lse merge only: no partial read, no output row stored.
     "lse_only": [
-        ("    for c in gl.static_range(L // CHUNK_L):\n", "    for c in gl.static_range(0):\n"),
-        (FIRST_LOAD, FIRST_LOAD.replace("mask=read", f"mask={NO_READ}")),
+        (FIRST_LOAD, FIRST_LOAD.replace("read, 0", f"{NO_READ}, 0")),
+        (ROLLED_LOOP, ROLLED_LOOP.replace("NUM_BLOCKS", "0")),
+        (STATIC_LOOP, STATIC_LOOP.replace("NUM_BLOCKS", "0")),
     ],
     # Every output row stored, no partial read (masked off: the loads issue, no bytes move).
     "no_part_reads": [
-        (FIRST_LOAD, FIRST_LOAD.replace("mask=read", f"mask={NO_READ}")),
-        (NEXT_LOAD, NEXT_LOAD.replace("mask=read", f"mask={NO_READ}")),
+        (FIRST_LOAD, FIRST_LOAD.replace("read, 0", f"{NO_READ}, 0")),
+        (ROLLED_LOAD, ROLLED_LOAD.replace("read &", f"{NO_READ} &")),
+        (STATIC_LOAD, STATIC_LOAD.replace("read, c", f"{NO_READ}, c")),
     ],
     # More bytes in flight: 64- and 128-column blocks in one-scorer programs (the next block is
     # loaded while this one is merged, so two blocks are in flight).
     "c64": [(CHUNK_32, CHUNK_32.replace("32 if", "64 if"))],
     "c128": [(CHUNK_32, CHUNK_32.replace("32 if", "128 if"))],
+    # The shipped layout with the column loop unrolled (the first half of item 45).
+    "unrolled": UNROLLED,
+    # Every program's column loop rolled, 16- and 32-row programs too.
+    "rolled_all": [(UNROLLED[0][0], UNROLLED[0][0].replace("ROW_LANES > 1", "True"))],
 }
 
 EXTRA_CASES = {
