@@ -252,8 +252,8 @@ def _merge_splits(
     ``.cg``: from L2, never a stale L1 line."""
     # A warp's 32 lanes span the block's columns and, where a warp holds 16 or more rows (a
     # one-scorer program: 64 rows on 4 warps), also 4 rows, with 16-byte loads: a thread holding
-    # 16 rows of every split spilled 1,912 bytes there (sm_90, Triton 3.6), and 4 rows of 4
-    # columns merged 64-row blocks 20-25 % faster than it (NOTES.md item 45).
+    # 16 rows of every split spilled 1,912 bytes there (sm_90, Triton 3.6); 4 rows of 4 columns
+    # spill nothing and merged 64-row blocks 5-20 % faster (NOTES.md item 45).
     ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1
     VEC: gl.constexpr = 4 if ROW_LANES > 1 else 2
     CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)
@@ -302,7 +302,7 @@ def _merge_splits(
     # programs the blocks are a loop, not unrolled: the merge runs once per program, and the
     # unrolled code (2,300 instructions) ran from a cold instruction cache, its warps stalled on
     # instruction fetch (ncu); rolled, (b)'s merge took 5-10 us less, while 16-row programs
-    # merged 1.3 us slower rolled than unrolled (NOTES.md item 45).
+    # merged 1.0-1.8 us slower rolled than unrolled (NOTES.md item 45).
     NUM_BLOCKS: gl.constexpr = L // CHUNK_L
     part = _merge_block_load(part_rows, offs_c, stride_od, read, 0, CHUNK_L)
     if ROW_LANES > 1:

@@ -15,10 +15,11 @@ extra split counts given, and checks each variant's output against the float32 r
 one-scorer program) each thread of ``_merge_splits`` held 16 rows of every split and spilled 1,912
 bytes (offline sm_90, Triton 3.6); the shipped layout gives a warp's lanes 4 rows and no spill.
 
-``--diagnose lse_only,no_part_reads,c64,c128`` times variants of the shipped kernel that leave
-parts of the merge out or read more at once (``DIAGNOSTIC``; their outputs are garbage):
-``lse_only`` runs the arrival protocol and the lse merge alone, ``no_part_reads`` stores every
-output row without reading a partial, ``c64`` / ``c128`` merge 64- / 128-column blocks.
+``--diagnose lse_only,no_part_reads,...`` times variants of the shipped kernel (``DIAGNOSTIC``):
+``lse_only`` runs the arrival protocol and the lse merge alone and ``no_part_reads`` stores every
+output row without reading a partial (their outputs are garbage); ``c64`` / ``c128`` merge 64- /
+128-column blocks; ``unrolled`` unrolls one-scorer programs' column loop and ``rolled_all`` rolls
+every program's.
 
 Besides the issue's cases, two ragged 64-row batches of this experiment's own (lengths uniform in
 [1, 8192], 128 heads): ``br32`` (32 sequences, the planner's 4 splits, as (b)) and ``br40`` (40
