@@ -20,8 +20,8 @@ combine once.
 
     python benchmarks/experiments/phase_stamps.py --cases a,d,e,c,b --out $OUT
 
-(The branch ``experiment/claim-tiles`` adds ``--claim``: tiles claimed from per-sequence
-counters, NOTES.md item 32.)
+(NOTES.md item 32 also timed ``--claim``, tiles claimed from per-sequence counters, from a
+branch that was not kept.)
 """
 
 from __future__ import annotations
