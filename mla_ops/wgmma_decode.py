@@ -98,12 +98,14 @@ BLOCK_N = 64
 # op's merged path it is not yet shown faster where it would matter ((b) keeps mla::combine).
 PAIR_MERGE = False
 
-# _merge_pair: how long (ns) the first program of a two-chunk sequence to finish waits for its
-# partner before leaving the merge to it. Covers the spread of a uniform batch's chunks, which
-# start together and end within the multiprocessors' speed tiers (about 10 % of a 64-row chunk's
-# 60-70 us on (b), NOTES.md item 38), while bounding what a multiprocessor idles when the partner
-# started late (NOTES.md item 46).
-PAIR_WAIT_NS = gl.constexpr(8000)
+# _merge_pair: how many times the first program of a two-chunk sequence to finish polls for its
+# partner's arrival before leaving the merge to it. Each poll is an L2 round trip (0.5-1 us), so
+# about 8-16 us: the spread of a uniform batch's chunks, which start together and end within the
+# multiprocessors' speed tiers (about 10 % of a 64-row chunk's 60-70 us on (b), NOTES.md item 38),
+# while bounding what a multiprocessor idles when the partner started late (item 46). A count,
+# not a clock: every warp must leave the loop at the same poll (its atomic ends in a barrier),
+# and warps reading the global timer at slightly different moments could disagree.
+PAIR_WAIT_POLLS = gl.constexpr(16)
 
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
 # ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
@@ -381,13 +383,13 @@ def _merge_pair(
 
     ``COUNTER`` (zero before and after): bits 0-1 count the pair's starts (the kernel counts
     them), bits 2-3 their arrivals, bit 4 "the first to arrive leaves the merge to its partner",
-    bit 5 "and its whole partial is stored". The first to arrive waits for its partner, at most
-    ``PAIR_WAIT_NS`` and only if the partner has started; otherwise (a compare-and-swap decides
-    against a partner arriving meanwhile) it stores its own half too and leaves, and the partner
-    merges every column. So no program waits on one that may not run: a grid larger than the
-    GPU holds at once never deadlocks, and a partner still far from done (a ragged batch's
-    short chunk that started late) holds the multiprocessor for at most the bound. The last use
-    of the counter puts it back to 0.
+    bit 5 "and its whole partial is stored". The first to arrive waits for its partner, for at
+    most ``PAIR_WAIT_POLLS`` polls and only if the partner has started; otherwise (a
+    compare-and-swap decides against a partner arriving meanwhile) it stores its own half too and
+    leaves, and the partner merges every column. So no program waits on one that may not run:
+    a grid larger than the GPU holds at once never deadlocks, and a partner still far from done
+    (a ragged batch's short chunk that started late) holds the multiprocessor for at most the
+    bound. The last use of the counter puts it back to 0.
 
     o_t: this program's ``[L/2, BLOCK_M]`` first half (warpgroup 0's, transposed); the second
     half is in ring slot ``n_tiles % 2`` (``_assist_tiles``). lse, scale (kv_scale / l), rows,
@@ -426,10 +428,11 @@ def _merge_pair(
         # First to arrive. Wait a while for a partner that has started (both starts counted).
         now = seen + 4
         if (seen & 3) == 2:
-            t0 = _now()
+            polls = 1
             now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-            while (((now >> 2) & 3) == 1) & (_now() - t0 < PAIR_WAIT_NS):
+            while (((now >> 2) & 3) == 1) & (polls < PAIR_WAIT_POLLS):
                 now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
+                polls += 1
         # Still alone: leave the merge to the partner, unless it arrives before the swap.
         leave = now * 0
         while (((now >> 2) & 3) == 1) & (leave == 0):
