@@ -830,10 +830,8 @@ def _launch_wgmma(
     stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
     one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
     LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
-    # launch's default: one-scorer programs of a merging launch merge two-chunk sequences in pairs
-    # where wgmma_decode.PAIR_MERGE turns it on.
-    LAST_LAUNCH["wgmma_pair_merge"] = (
-        wgmma_decode.PAIR_MERGE and one_scorer and merge_into is not None
+    LAST_LAUNCH["wgmma_pair_merge"] = wgmma_decode.default_pair_merge(
+        one_scorer, merge_into is not None
     )
     if one_scorer:
         # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.

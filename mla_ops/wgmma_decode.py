@@ -99,12 +99,13 @@ BLOCK_N = 64
 PAIR_MERGE = False
 
 # _merge_pair: how many times the first program of a two-chunk sequence to finish polls for its
-# partner's arrival before leaving the merge to it. Each poll is an L2 round trip (0.5-1 us), so
-# about 8-16 us: the spread of a uniform batch's chunks, which start together and end within the
-# multiprocessors' speed tiers (about 10 % of a 64-row chunk's 60-70 us on (b), NOTES.md item 38),
-# while bounding what a multiprocessor idles when the partner started late (item 46). A count,
-# not a clock: every warp must leave the loop at the same poll (its atomic ends in a barrier),
-# and warps reading the global timer at slightly different moments could disagree.
+# partner's arrival before leaving the merge to it. Each poll is an L2 round trip (0.5-1 us,
+# estimated, not measured), so about 8-16 us: the spread of a uniform batch's chunks, which start
+# together and end within the multiprocessors' speed tiers (about 10 % of a 64-row chunk's
+# 60-70 us on (b), NOTES.md item 38), while bounding what a multiprocessor idles when the partner
+# started late (item 46). A count, not a clock: every warp must leave the loop at the same poll
+# (its atomic ends in a barrier), and warps reading the global timer at slightly different
+# moments could disagree.
 PAIR_WAIT_POLLS = gl.constexpr(16)
 
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
@@ -150,19 +151,14 @@ def _copy_layouts(num_warps, kv_fp8):
 
 
 @gluon.jit
-def _now():
-    """The global timer (ns, int64)."""
-    return gl.inline_asm_elementwise(
-        "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
 def _stamp(STAMP_ROW, slot: gl.constexpr, ON: gl.constexpr):
     """With ``ON``: the global timer (ns) into ``STAMP_ROW[slot]``, the program's stamp row
     (every thread stores the same value). Compiled out otherwise."""
     if ON:
-        gl.store(STAMP_ROW + slot, _now())
+        now = gl.inline_asm_elementwise(
+            "mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1
+        )
+        gl.store(STAMP_ROW + slot, now)
 
 
 @gluon.jit
@@ -1746,6 +1742,13 @@ def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
     return block_m == 64 and not float8 and not gather
 
 
+def default_pair_merge(one_scorer: bool, merge: bool) -> bool:
+    """Whether a launch's two-chunk sequences are merged by both of their programs
+    (``_merge_pair``; ``launch(pair_merge=None)``): one-scorer programs of a merging launch, where
+    ``PAIR_MERGE`` turns it on (off: NOTES.md item 46)."""
+    return PAIR_MERGE and one_scorer and merge
+
+
 def default_longest_first(
     batch: int, num_splits: int, total_splits: int | None, lengths_per_step: int, rows_on_m: bool
 ) -> bool:
@@ -1820,7 +1823,7 @@ def launch(
     are then its scratch (never read or written when ``num_splits`` is 1). ``arrivals`` is
     zero again when the kernel ends. pair_merge: with merge_into, one-scorer programs of a
     sequence in two chunks each merge half of its columns (``_merge_pair``) instead of the
-    last to arrive merging all (None: ``PAIR_MERGE`` where it applies).
+    last to arrive merging all (None: ``default_pair_merge``).
     stamps: an instrument, ``[programs, STAMP_SLOTS]`` int64 that every program fills with its
     phase stamps (``STAMP_FIELDS``; the op never passes one).
     """
@@ -1839,10 +1842,10 @@ def launch(
         producer_warps = 0
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
-    pair_applies = one_scorer and merge_into is not None
-    if pair_merge and not pair_applies:
+    if pair_merge and not (one_scorer and merge_into is not None):
         raise ValueError("pair_merge: expected one_scorer=True and merge_into given")
-    pair_merge = (PAIR_MERGE and pair_applies) if pair_merge is None else pair_merge
+    if pair_merge is None:
+        pair_merge = default_pair_merge(one_scorer, merge_into is not None)
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
         # A one-scorer program keeps the rows-on-M order (its loop holds the chunk the same way).
