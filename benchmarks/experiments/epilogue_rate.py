@@ -10,7 +10,10 @@ One program per multiprocessor (``--programs``; default the SM count minus 4, as
 - ``release``: the same, then a barrier and one thread's acq_rel atomic (the merges' arrival,
   which cannot complete before the block has drained to L2);
 - ``load``: ``.cg`` 16-byte loads of every tile, ``--unroll`` tiles in flight at a time, from
-  L2 (the block was stored by the previous replay and the buffer fits in L2).
+  L2 (the block was stored by the previous replay and the buffer fits in L2);
+- ``tma_store`` / ``tma_load``: the same tiles through a tensor descriptor (TMA bulk copies via
+  shared memory; loads pipelined ``--unroll`` deep by Triton's pipeliner): whether a bulk copy
+  moves a program's block faster than its threads' own 16-byte accesses.
 
 Per program, global-timer stamps: start, stores issued (or loads done), atomic returned, end.
 Per variant: the CUDA-graph replay time without L2 eviction (the point is L2-resident data; a
@@ -18,7 +21,8 @@ load's graph also holds the store before it, whose time alone is subtracted), th
 largest of each phase over the programs, and the implied per-multiprocessor GB/s (block over the
 median program's whole time) and summed GB/s (all blocks over the replay time).
 
-    python benchmarks/experiments/epilogue_rate.py --kb 32,64,128,256 --unroll 1,2,4 --out $OUT
+    python benchmarks/experiments/epilogue_rate.py --kb 32,64,128,256 --unroll 1,2,4 \\
+        --warps 4,8 --out $OUT
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Stamp slots per program: start, stores issued / loads done, atomic returned, end.
 STAMPS = tl.constexpr(4)
-MODES = ("store", "release", "load")
+MODES = ("store", "release", "load", "tma_store", "tma_load")
 TILE = tl.constexpr(64)  # a tile is TILE x TILE float32 values (16 KB)
 
 
@@ -49,18 +53,32 @@ def _now(TIMED: tl.constexpr):
 
 @triton.jit
 def _epilogue(
-    BUF, SUMS, COUNTERS, STAMP_BUF, N_TILES: tl.constexpr, MODE: tl.constexpr,
+    BUF, DESC, SUMS, COUNTERS, STAMP_BUF, N_TILES: tl.constexpr, MODE: tl.constexpr,
     UNROLL: tl.constexpr, TIMED: tl.constexpr,
 ):  # fmt: skip
     """MODE 0: store the program's N_TILES tiles; 1: store, barrier, acq_rel atomic; 2: load
-    them (UNROLL at a time) and store their sum into SUMS[pid]."""
+    them (UNROLL at a time) and store their sum into SUMS[pid]; 3 / 4: as 0 / 2 through DESC
+    (BUF as [rows, TILE] float32, TILE x TILE blocks)."""
     pid = tl.program_id(0)
     start = _now(TIMED)
     base = BUF + pid.to(tl.int64) * N_TILES * TILE * TILE
     offs = tl.arange(0, TILE)[:, None] * TILE + tl.arange(0, TILE)[None, :]
     mid = start
     atomic = start
-    if MODE < 2:
+    if MODE == 3:
+        value = (offs + pid).to(tl.float32)
+        for i in range(N_TILES):
+            DESC.store([(pid * N_TILES + i) * TILE, 0], value + i)
+        mid = _now(TIMED)
+        atomic = mid
+    elif MODE == 4:
+        acc = tl.zeros([TILE, TILE], tl.float32)
+        for i in tl.range(N_TILES, num_stages=UNROLL + 1):
+            acc += DESC.load([(pid * N_TILES + i) * TILE, 0])
+        tl.store(SUMS + pid, tl.sum(tl.sum(acc, 1), 0))
+        mid = _now(TIMED)
+        atomic = mid
+    elif MODE < 2:
         value = (offs + pid).to(tl.float32)
         for i in range(N_TILES):
             tl.store(base + i * TILE * TILE + offs, value + i)
@@ -89,12 +107,22 @@ def _epilogue(
         tl.store(row + 3, _now(TIMED))
 
 
-def launch(buf, sums, counters, stamps, programs: int, kb: int, mode: str, unroll: int = 1):
-    """One launch of ``_epilogue``: ``programs`` programs of ``kb`` KB each (a multiple of 16)."""
+def launch(
+    buf, sums, counters, stamps, programs: int, kb: int, mode: str, unroll: int = 1, warps: int = 4
+):  # fmt: skip
+    """One launch of ``_epilogue``: ``programs`` programs of ``kb`` KB each (a multiple of 16),
+    ``warps`` warps each."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     n_tiles = kb * 1024 // (TILE.value * TILE.value * 4)
+    # Tile i of program p is rows (p * n_tiles + i) * TILE of this [rows, TILE] view: the same
+    # bytes as the pointer modes' contiguous tiles.
+    rows = programs * n_tiles * TILE.value
+    desc = TensorDescriptor.from_tensor(buf[: rows * TILE.value].view(rows, TILE.value),
+                                        [TILE.value, TILE.value])  # fmt: skip
     _epilogue[(programs,)](
-        buf, sums, counters, stamps, N_TILES=n_tiles, MODE=MODES.index(mode), UNROLL=unroll,
-        TIMED=stamps is not None, num_warps=4,
+        buf, desc, sums, counters, stamps, N_TILES=n_tiles, MODE=MODES.index(mode),
+        UNROLL=unroll, TIMED=stamps is not None, num_warps=warps,
     )  # fmt: skip
 
 
@@ -116,6 +144,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--kb", default="32,64,128,256", help="KB per program (multiples of 16)")
     ap.add_argument("--unroll", default="1,2,4", help="tiles in flight per load step")
+    ap.add_argument("--warps", default="4,8", help="warps per program")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"some of {MODES}")
     ap.add_argument("--programs", type=int, default=0, help="0: the SM count minus 4")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
@@ -131,41 +161,42 @@ def main() -> None:
     counters = torch.zeros(programs, dtype=torch.int32, device="cuda")
     stamps = torch.zeros(programs, STAMPS.value, dtype=torch.int64, device="cuda")
     rows = []
-    for kb in sizes:
-        for mode in MODES:
-            for unroll in [int(u) for u in args.unroll.split(",")] if mode == "load" else [1]:
+    warp_counts = [int(w) for w in args.warps.split(",")]
+    for kb, warps, mode in (
+        (k, w, m) for k in sizes for w in warp_counts for m in args.modes.split(",")
+    ):
+        loads = mode.endswith("load")
+        for unroll in [int(u) for u in args.unroll.split(",")] if loads else [1]:
 
-                def call(kb=kb, mode=mode, unroll=unroll, stamps_arg=None):
-                    if mode == "load":  # the block is in L2: stored by the previous call
-                        launch(buf, sums, counters, None, programs, kb, "store")
-                    launch(buf, sums, counters, stamps_arg, programs, kb, mode, unroll)
+            def store(kb=kb, warps=warps):
+                launch(buf, sums, counters, None, programs, kb, "store", warps=warps)
 
-                us = bd.time_rotating([bd.graphed(call)], warmup=10, rep=100, l2="none") * 1e6
-                if mode == "load":  # the store that precedes each load, timed alone
-                    store_us = bd.time_rotating(
-                        [bd.graphed(lambda kb=kb: launch(buf, sums, counters, None, programs, kb,
-                                                         "store"))],
-                        warmup=10, rep=100, l2="none",
-                    ) * 1e6  # fmt: skip
-                    us -= store_us
-                call(stamps_arg=stamps)
-                torch.cuda.synchronize()
-                row = dict(mode=mode, kb=kb, unroll=unroll, programs=programs, us=us,
-                           **phases(stamps))  # fmt: skip
-                moved = kb * 1024
-                row["sm_GBps"] = moved / (row["whole_med_us"] * 1e3)
-                row["sum_GBps"] = programs * moved / (us * 1e3)
-                rows.append(row)
-                print(row, flush=True)
+            def call(kb=kb, mode=mode, unroll=unroll, warps=warps, loads=loads, stamps_arg=None):
+                if loads:  # the block is in L2: stored by the previous call
+                    store()
+                launch(buf, sums, counters, stamps_arg, programs, kb, mode, unroll, warps)
+
+            us = bd.time_rotating([bd.graphed(call)], warmup=10, rep=100, l2="none") * 1e6
+            if loads:  # the store that precedes each load, timed alone
+                us -= bd.time_rotating([bd.graphed(store)], warmup=10, rep=100, l2="none") * 1e6
+            call(stamps_arg=stamps)
+            torch.cuda.synchronize()
+            row = dict(mode=mode, kb=kb, warps=warps, unroll=unroll, programs=programs, us=us,
+                       **phases(stamps))  # fmt: skip
+            moved = kb * 1024
+            row["sm_GBps"] = moved / (row["whole_med_us"] * 1e3)
+            row["sum_GBps"] = programs * moved / (us * 1e3)
+            rows.append(row)
+            print(row, flush=True)
     bd.save_experiment(args.out, "epilogue_rate", {}, rows, programs=programs)
     print(f"\n{props.name}; torch {torch.__version__}, triton {triton.__version__}; {programs} "
           "programs, one per multiprocessor")  # fmt: skip
-    print(f"{'mode':8}{'KB':>5}{'unroll':>7}{'us':>8}{'issue':>8}{'atomic':>8}{'whole':>8}"
-          f"{'max':>8}{'SM GB/s':>9}{'sum GB/s':>9}")  # fmt: skip
+    print(f"{'mode':10}{'KB':>5}{'warps':>6}{'unroll':>7}{'us':>8}{'issue':>8}{'atomic':>8}"
+          f"{'whole':>8}{'max':>8}{'SM GB/s':>9}{'sum GB/s':>9}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['mode']:8}{r['kb']:5}{r['unroll']:7}{r['us']:8.2f}{r['issue_med_us']:8.2f}"
-            f"{r['atomic_med_us']:8.2f}{r['whole_med_us']:8.2f}{r['whole_max_us']:8.2f}"
+            f"{r['mode']:10}{r['kb']:5}{r['warps']:6}{r['unroll']:7}{r['us']:8.2f}"
+            f"{r['issue_med_us']:8.2f}{r['atomic_med_us']:8.2f}{r['whole_med_us']:8.2f}{r['whole_max_us']:8.2f}"
             f"{r['sm_GBps']:9.1f}{r['sum_GBps']:9.1f}"
         )
 
