@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The in-kernel merge on a GPU (NOTES.md items 45-46): the wgmma kernel's tests, then the merge
+# The in-kernel merge on a GPU (NOTES.md item 45): the wgmma kernel's tests, then the merge
 # against mla::combine on 64- and 16-row plans. Usage (GPU machine, repo root):
-#   bash benchmarks/gpu_check_merge.sh                        # item 45's run
-#   FLAGS=--pair DIAGNOSE= bash benchmarks/gpu_check_merge.sh     # item 46's: with/without pairs
+#   bash benchmarks/gpu_check_merge.sh           # item 45's run
+#   TESTS=... CASES=b,f SPLITS=b:2 FLAGS= DIAGNOSE= bash benchmarks/gpu_check_merge.sh
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1

@@ -830,9 +830,6 @@ def _launch_wgmma(
     stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
     one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
     LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
-    LAST_LAUNCH["wgmma_pair_merge"] = wgmma_decode.default_pair_merge(
-        one_scorer, merge_into is not None
-    )
     if one_scorer:
         # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
         num_warps, producer_warps, rows_on_m = 4, 0, False

@@ -92,22 +92,6 @@ _NAMED_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterp
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
 
-# _merge_pair for one-scorer programs of merging launches (launch's pair_merge=None). Off: built
-# and measured on an H200 (NOTES.md item 46), but its fallback for a partner that has not
-# started (a grid larger than the GPU holds) has not run on a GPU in the form below, and on the
-# op's merged path it is not yet shown faster where it would matter ((b) keeps mla::combine).
-PAIR_MERGE = False
-
-# _merge_pair: how many times the first program of a two-chunk sequence to finish polls for its
-# partner's arrival before leaving the merge to it. Each poll is an L2 round trip (0.5-1 us,
-# estimated, not measured), so about 8-16 us: the spread of a uniform batch's chunks, which start
-# together and end within the multiprocessors' speed tiers (about 10 % of a 64-row chunk's
-# 60-70 us on (b), NOTES.md item 38), while bounding what a multiprocessor idles when the partner
-# started late (item 46). A count, not a clock: every warp must leave the loop at the same poll
-# (its atomic ends in a barrier), and warps reading the global timer at slightly different
-# moments could disagree.
-PAIR_WAIT_POLLS = gl.constexpr(16)
-
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
 # ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
 STAMP_FIELDS = (
@@ -357,193 +341,6 @@ def _merge_block_store(
     out = gl.where(nan_out[None, :], float("nan"), out)
     ptrs = OUT_B + (c * CHUNK_L + offs_c)[:, None] * stride_fd + rows_out[None, :]
     gl.store(ptrs, out, mask=ok_out[None, :])
-
-
-@gluon.jit
-def _merge_pair(
-    O_PART, LSE_PART, OUT, LSE_OUT, COUNTER, o_t, kv_ring, n_tiles, lse, scale, bad, split,
-    b64, rows, row_ok, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-    stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
-    stride_gb, stride_gs, stride_gh, H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr,
-    num_warps: gl.constexpr,
-):  # fmt: skip
-    """A sequence cut into two chunks, merged by both of its programs (one-scorer, ``PAIR``):
-    the program of chunk ``split`` writes the final rows of the latent columns' half ``split``.
-
-    It stores only the other half of its float32 partial (and its lse) for its partner, counts
-    its arrival on ``COUNTER`` (release-acquire at gpu scope), and merges its own half, held in
-    shared memory, with the half its partner stored. Against one program merging both chunks
-    after the other (``_merge_splits``), each program stores and reads 64 KB of partials instead
-    of one storing 128 KB and then reading 256 KB, and the two halves are merged at the same time
-    (NOTES.md item 46).
-
-    ``COUNTER`` (zero before and after): bits 0-1 count the pair's starts (the kernel counts
-    them), bits 2-3 their arrivals, bit 4 "the first to arrive leaves the merge to its partner",
-    bit 5 "and its whole partial is stored". The first to arrive waits for its partner, for at
-    most ``PAIR_WAIT_POLLS`` polls and only if the partner has started; otherwise (a
-    compare-and-swap decides against a partner arriving meanwhile) it stores its own half too and
-    leaves, and the partner merges every column. So no program waits on one that may not run:
-    a grid larger than the GPU holds at once never deadlocks, and a partner still far from done
-    (a ragged batch's short chunk that started late) holds the multiprocessor for at most the
-    bound. The last use of the counter puts it back to 0.
-
-    o_t: this program's ``[L/2, BLOCK_M]`` first half (warpgroup 0's, transposed); the second
-    half is in ring slot ``n_tiles % 2`` (``_assist_tiles``). lse, scale (kv_scale / l), rows,
-    row_ok: ``[BLOCK_M]``; bad: an invalid cache location was read (every row NaN)."""
-    HALF: gl.constexpr = L // 2
-    # Both halves in shared memory as float32 [BLOCK_M, L/2], half h in ring slot
-    # (n_tiles + 1 + h) % 2: the first goes into the last tile's slot, free once both
-    # warpgroups' P.V of it are done. A half is then picked by a runtime slot index (choosing
-    # between two buffers with a branch spilled 48 bytes, reloaded in every tile).
-    _output_half(kv_ring.index((n_tiles + 1) % 2), BLOCK_M, L).store(gl.permute(o_t, (1, 0)))
-    _thread_barrier()
-    # A warp covers 4 rows x 32 columns per access, 16-byte accesses to global memory.
-    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
-    row_l: gl.constexpr = gl.SliceLayout(1, layout)
-    r = gl.convert_layout(rows, row_l)
-    ok = gl.convert_layout(row_ok, row_l)
-    scale = gl.convert_layout(scale, row_l)
-    lse = gl.convert_layout(lse, row_l)
-    qrow_o = b64 * stride_ob + (r // H) * stride_os + (r % H) * stride_oh
-    qrow_l = b64 * stride_lb + (r // H) * stride_ls + (r % H) * stride_lh
-    own_part = O_PART + qrow_o + split * stride_ok
-    partner_part = O_PART + qrow_o + (1 - split) * stride_ok
-    # The partner's columns of this program's partial, and its lse.
-    other = 1 - split
-    _pair_store_half(
-        _output_half(kv_ring.index((n_tiles + 1 + other) % 2), BLOCK_M, L), own_part,
-        other * HALF, scale, bad, ok, stride_od, HALF, layout,
-    )  # fmt: skip
-    gl.store(LSE_PART + qrow_l + split * stride_lk, lse, mask=ok)
-    _thread_barrier()
-    seen = gl.atomic_add(COUNTER, 4, sem="acq_rel", scope="gpu")
-    out_row = OUT + b64 * stride_fb + (r // H) * stride_fs + (r % H) * stride_fh
-    lse_out = LSE_OUT + b64 * stride_gb + (r // H) * stride_gs + (r % H) * stride_gh
-    lse_partner = LSE_PART + qrow_l + (1 - split) * stride_lk
-    if ((seen >> 2) & 3) == 0:
-        # First to arrive. Wait a while for a partner that has started (both starts counted).
-        now = seen + 4
-        if (seen & 3) == 2:
-            polls = 1
-            now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-            while (((now >> 2) & 3) == 1) & (polls < PAIR_WAIT_POLLS):
-                now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-                polls += 1
-        # Still alone: leave the merge to the partner, unless it arrives before the swap.
-        leave = now * 0
-        while (((now >> 2) & 3) == 1) & (leave == 0):
-            before = gl.atomic_cas(COUNTER, now, now | 16, sem="acq_rel", scope="gpu")
-            leave = (before == now).to(gl.int32)
-            now = gl.where(before == now, now | 16, before)
-        if leave != 0:
-            _pair_store_half(
-                _output_half(kv_ring.index((n_tiles + 1 + split) % 2), BLOCK_M, L), own_part,
-                split * HALF, scale, bad, ok, stride_od, HALF, layout,
-            )  # fmt: skip
-            _thread_barrier()
-            gl.atomic_add(COUNTER, 32, sem="release", scope="gpu")
-        else:
-            # The partner arrived, which published our half: merge it; the counter's last use.
-            gl.store(COUNTER, 0)
-            _pair_merge_half(
-                kv_ring, n_tiles, split, split, partner_part, lse_partner, out_row, lse_out, lse,
-                scale, bad, ok, stride_od, stride_fd, BLOCK_M, L, layout,
-            )  # fmt: skip
-    elif (seen & 16) == 0:
-        # Second, and the partner waits: it merges the other half (and resets the counter).
-        _pair_merge_half(
-            kv_ring, n_tiles, split, split, partner_part, lse_partner, out_row, lse_out, lse,
-            scale, bad, ok, stride_od, stride_fd, BLOCK_M, L, layout,
-        )  # fmt: skip
-    else:
-        # Second, the partner left: every column once its whole partial is stored (bit 5).
-        now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-        while (now & 32) == 0:
-            now = gl.atomic_add(COUNTER, 0, sem="acquire", scope="gpu")
-        gl.store(COUNTER, 0)
-        for half in gl.static_range(2):
-            _pair_merge_half(
-                kv_ring, n_tiles, half, split, partner_part, lse_partner, out_row, lse_out,
-                lse, scale, bad, ok, stride_od, stride_fd, BLOCK_M, L, layout,
-            )  # fmt: skip
-
-
-@gluon.jit
-def _pair_store_half(src, part_row, col0, scale, bad, ok, stride_od, HALF: gl.constexpr,
-                     layout: gl.constexpr):  # fmt: skip
-    """``src`` (float32 ``[BLOCK_M, HALF]`` in shared memory) times ``scale`` per row (NaN rows
-    where ``bad``) into the partial at columns ``col0 ...``, in 64-column blocks."""
-    CH: gl.constexpr = 64
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
-    # Unrolled: a shared-memory slice takes a constant start.
-    for c in gl.static_range(HALF // CH):
-        x = src.slice(c * CH, CH, dim=1).load(layout) * scale[:, None]
-        x = gl.where(bad, float("nan"), x)
-        ptrs = part_row[:, None] + (col0 + c * CH + cols)[None, :] * stride_od
-        gl.store(ptrs, x, mask=ok[:, None])
-
-
-@gluon.jit
-def _pair_merge_half(
-    kv_ring, n_tiles, half, split, partner_part, lse_partner, out_row, lse_out, lse, scale, bad,
-    ok, stride_od, stride_fd, BLOCK_M: gl.constexpr, L: gl.constexpr, layout: gl.constexpr,
-):  # fmt: skip
-    """The final rows' columns of ``half`` (and, for half 0, the final lse): this program's
-    chunk (``split``; in ring slot ``(n_tiles + 1 + half) % 2``, times ``scale``) merged with its
-    partner's float32 partial (``partner_part``, ``lse_partner``), as ``mla::combine`` merges two
-    splits: weights from the lse in split order, a split never read for a row where its weight is
-    0, NaN rows where either chunk read an invalid cache location."""
-    lse_p = gl.load(lse_partner, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    lse0 = gl.where(split == 0, lse, lse_p)
-    lse1 = gl.where(split == 0, lse_p, lse)
-    poisoned = (lse0 != lse0) | (lse1 != lse1)
-    lse_max = gl.maximum(lse0, lse1)
-    shift = gl.where(lse_max == float("-inf"), 0.0, lse_max)
-    w0 = gl.exp(lse0 - shift)
-    w1 = gl.exp(lse1 - shift)
-    total = w0 + w1
-    total_safe = gl.where(total == 0.0, 1.0, total)
-    w0 = w0 / total_safe
-    w1 = w1 / total_safe
-    w_own = gl.where(split == 0, w0, w1)
-    w_partner = gl.where(split == 0, w1, w0)
-    read = ok & (w_partner > 0.0)
-    if half == 0:
-        lse_f = gl.where(total == 0.0, float("-inf"), shift + gl.log(total_safe))
-        gl.store(lse_out, gl.where(poisoned, float("nan"), lse_f), mask=ok)
-    HALF: gl.constexpr = L // 2
-    CH: gl.constexpr = 64
-    cols = gl.arange(0, CH, layout=gl.SliceLayout(0, layout))
-    col0 = half * HALF
-    own = _output_half(kv_ring.index((n_tiles + 1 + half) % 2), BLOCK_M, L)
-    # The partner's 64-column blocks two at a time: both loads in flight together (four at
-    # once spilled, sm_90).
-    for c in gl.static_range(0, HALF // CH, 2):
-        t0 = gl.load(partner_part[:, None] + (col0 + c * CH + cols)[None, :] * stride_od,
-                     mask=read[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        t1 = gl.load(partner_part[:, None] + (col0 + (c + 1) * CH + cols)[None, :] * stride_od,
-                     mask=read[:, None], other=0.0, cache_modifier=".cg")  # fmt: skip
-        _pair_merge_block(own, c, t0, w_own, w_partner, scale, bad, poisoned,
-                          out_row, ok, cols, col0, stride_fd, CH, layout)  # fmt: skip
-        _pair_merge_block(own, c + 1, t1, w_own, w_partner, scale, bad, poisoned,
-                          out_row, ok, cols, col0, stride_fd, CH, layout)  # fmt: skip
-
-
-@gluon.jit
-def _pair_merge_block(
-    own, c: gl.constexpr, theirs, w_own, w_partner, scale, bad, poisoned,
-    out_row, ok, cols, col0, stride_fd, CH: gl.constexpr, layout: gl.constexpr,
-):  # fmt: skip
-    """Block ``c`` (``CH`` columns) of ``_pair_merge_half``: own rows from shared memory, the
-    partner's loaded (``theirs``), summed in split order, stored in ``OUT``'s dtype."""
-    mine = own.slice(c * CH, CH, dim=1).load(layout)
-    mine = gl.where(bad, float("nan"), mine * scale[:, None])
-    mine = gl.where((w_own > 0.0)[:, None], mine, 0.0)
-    # Two terms: the sum is the same in either order.
-    out = mine * w_own[:, None] + theirs * w_partner[:, None]
-    out = gl.where(poisoned[:, None], float("nan"), out)
-    ptrs = out_row[:, None] + (col0 + c * CH + cols)[None, :] * stride_fd
-    gl.store(ptrs, out.to(out_row.dtype.element_ty), mask=ok[:, None])
 
 
 @gluon.jit
@@ -1198,18 +995,15 @@ def _assist_tiles(
     free, p_ready, p_free, done, bad_smem, b64, start, end, n_tiles, stride_btb, stride_btp,
     NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    CHUNK: gl.constexpr, OUT_IN_RING: gl.constexpr,
+    CHUNK: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup 1 of a one-scorer program: for each tile, once warpgroup 0 has handed over
     ``P`` and the rescaling factor, the output's other half ``O[:, L/2:] += P V[:, L/2:]``; then,
     once warpgroup 0 is done with the slot too, the copy of the tile ``NUM_STAGES`` ahead into it
     (the first ``NUM_STAGES`` were issued before the partitions). At the end its output half goes
     into the query's shared memory (float32 ``[BLOCK_M, L/2]``, the size of the nope query, which
-    no one reads any more once the last ``P`` exists), or with ``OUT_IN_RING`` (``_merge_pair``)
-    into ring slot ``n_tiles % NUM_STAGES`` (the size of a 16-bit tile: the slot of the tile
-    before the last, which both warpgroups are done with and no copy refills once warpgroup 0 has
-    the last ``P``), and the invalid tokens it counted into ``bad_smem``, signalled on
-    ``done``."""
+    no one reads any more once the last ``P`` exists), and the invalid tokens it counted into
+    ``bad_smem``, signalled on ``done``."""
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     BLOCK_M: gl.constexpr = p_smem.shape[0]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -1244,10 +1038,7 @@ def _assist_tiles(
                 stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, False, L, R,
                 CHUNK, gather_layout, io_layout,
             )  # fmt: skip
-    if OUT_IN_RING:
-        _output_half(kv_ring.index(n_tiles % NUM_STAGES), BLOCK_M, L).store(o)
-    else:
-        _output_half(q_smem, BLOCK_M, L).store(o)
+    _output_half(q_smem, BLOCK_M, L).store(o)
     bad_smem.store(n_bad)
     _thread_barrier()
     mbarrier.arrive(done, count=1)
@@ -1307,7 +1098,6 @@ def _mla_decode_wgmma_kernel(
     ASSIST_REGS: gl.constexpr,  # ONE_SCORER: registers per thread of warpgroup 1
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
-    PAIR: gl.constexpr,  # MERGE, ONE_SCORER: a sequence in two chunks merged by both (_merge_pair)
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
     LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
     num_warps: gl.constexpr,
@@ -1339,7 +1129,6 @@ def _mla_decode_wgmma_kernel(
             and PRODUCER_WARPS == 0 and not ROWS_ON_M
         )
     )  # fmt: skip
-    gl.static_assert(not PAIR or (MERGE and ONE_SCORER))
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -1551,13 +1340,6 @@ def _mla_decode_wgmma_kernel(
                     GATHER, L, R, CHUNK, gather_layout, io_layout,
                 )  # fmt: skip
         if ONE_SCORER:
-            # PAIR: a program of a two-chunk sequence counts its start on the row block's
-            # arrival counter (bits 0-1, _merge_pair), once the query's loads and the first
-            # copies are out (its result unused: a reduction, nothing waits for it).
-            if PAIR and gl.cdiv(seqlen, chunk) == 2:
-                gl.atomic_add(
-                    ARRIVALS + b * num_row_blocks + row_block, 1, sem="relaxed", scope="gpu"
-                )  # fmt: skip
             _store_query(q_nope, q_pe, q_smem, qpe_smem, 1.0, HAS_PE, False)
             _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
             done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -1582,15 +1364,14 @@ def _mla_decode_wgmma_kernel(
                             p_smem, alpha_smem, ready, free, p_ready, p_free, done, bad_smem,
                             b64, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
                             MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
-                            NUM_STAGES, HAS_PE, L, R, CHUNK, PAIR,
+                            NUM_STAGES, HAS_PE, L, R, CHUNK,
                         ),
                     ),
                 ],
                 [4],
                 [ASSIST_REGS],
             )  # fmt: skip
-            # Warpgroup 1's output half (in the query's shared memory, or a ring slot with
-            # PAIR) and its invalid tokens.
+            # Warpgroup 1's output half (in the query's shared memory) and its invalid tokens.
             mbarrier.wait(done, 0)
             n_bad += bad_smem.load(gl.SliceLayout(1, gather_layout))
             mbarrier.invalidate(done)
@@ -1632,66 +1413,49 @@ def _mla_decode_wgmma_kernel(
     s_st = rows_st // H
     h_st = rows_st % H
     # Without MERGE every chunk writes its partial. With MERGE, a sequence cut into one chunk
-    # writes its final rows here (mla::combine of one split is exactly this cast); with PAIR a
-    # sequence in two has its two programs merge a half of the columns each (_merge_pair); with
-    # more, every chunk writes its partial and the program that arrives last merges them (splits
-    # past the sequence's chunks exited above).
-    # MERGE: the chunks of this program's sequence, and its row block's arrival counter.
+    # writes its final rows here (mla::combine of one split is exactly this cast); with more,
+    # every chunk writes its partial and the program that arrives last merges them (splits past
+    # the sequence's chunks exited above).
     n_real = gl.cdiv(seqlen, chunk)
-    pid_bm = b * num_row_blocks + row_block
-    if PAIR and n_real == 2:
-        _merge_pair(
-            O_PART, LSE_PART, OUT, LSE_OUT, ARRIVALS + pid_bm, o_t, kv_ring, n_tiles, lse,
-            kv_scale / l_safe, n_bad > 0, split, b64, rows_st, row_ok_st, stride_ob,
-            stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh,
-            stride_lk, stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs,
-            stride_gh, H, L, BLOCK_M, num_warps,
-        )  # fmt: skip
-    else:
-        # The output in column parts: a one-scorer program's 4 warps hold half of it in
-        # registers and get the other half from warpgroup 1 through shared memory
-        # (_assist_tiles).
-        OUT_PARTS: gl.constexpr = 2 if ONE_SCORER else 1
-        L_PART: gl.constexpr = L // OUT_PARTS
-        for part in gl.static_range(OUT_PARTS):
-            if part == 1:
-                if PAIR:
-                    half_1 = _output_half(kv_ring.index(n_tiles % NUM_STAGES), BLOCK_M, L)
-                else:
-                    half_1 = _output_half(q_smem, BLOCK_M, L)
-                o_t = gl.permute(half_1.load(rows_layout), (1, 0))
-            offs_part = part * L_PART + gl.arange(0, L_PART, layout=gl.SliceLayout(1, st_layout))
-            # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
-            out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
-            out_t = gl.where(n_bad > 0, float("nan"), out_t)
-            if MERGE and n_real == 1:
-                _store_partial_t(
-                    OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_part, row_ok_st,
-                    stride_fb, stride_fs, stride_fh, 0, stride_fd, stride_gb, stride_gs,
-                    stride_gh, 0,
-                )  # fmt: skip
-            else:
-                _store_partial_t(
-                    O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_part, row_ok_st,
-                    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-                    stride_lb, stride_ls, stride_lh, stride_lk,
-                )  # fmt: skip
-        if MERGE and n_real > 1:
-            # Every thread's partial stores precede (bar.sync) one thread's release-acquire
-            # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
-            # (the scalar atomic's result reaches every thread through shared memory and a
-            # barrier) and puts the count back to 0 for the next launch.
-            _thread_barrier()
-            arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
-            if arrived == n_real - 1:
-                gl.store(ARRIVALS + pid_bm, 0)
-                _merge_splits(
-                    O_PART, LSE_PART, OUT, LSE_OUT, b64, s_st, h_st, row_ok_st, n_real,
-                    stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-                    stride_lb, stride_ls, stride_lh, stride_lk,
-                    stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
-                    L, BLOCK_M, MERGE_SPLITS, num_warps,
-                )  # fmt: skip
+    # The output in column parts: a one-scorer program's 4 warps hold half of it in registers
+    # and get the other half from warpgroup 1 through shared memory (_assist_tiles).
+    OUT_PARTS: gl.constexpr = 2 if ONE_SCORER else 1
+    L_PART: gl.constexpr = L // OUT_PARTS
+    for part in gl.static_range(OUT_PARTS):
+        if part == 1:
+            o_t = gl.permute(_output_half(q_smem, BLOCK_M, L).load(rows_layout), (1, 0))
+        offs_part = part * L_PART + gl.arange(0, L_PART, layout=gl.SliceLayout(1, st_layout))
+        # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
+        out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
+        out_t = gl.where(n_bad > 0, float("nan"), out_t)
+        if MERGE and n_real == 1:
+            _store_partial_t(
+                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_part, row_ok_st, stride_fb,
+                stride_fs, stride_fh, 0, stride_fd, stride_gb, stride_gs, stride_gh, 0,
+            )  # fmt: skip
+        else:
+            _store_partial_t(
+                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_part, row_ok_st,
+                stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                stride_lb, stride_ls, stride_lh, stride_lk,
+            )  # fmt: skip
+    if MERGE and n_real > 1:
+        # Every thread's partial stores precede (bar.sync) one thread's release-acquire
+        # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
+        # (the scalar atomic's result reaches every thread through shared memory and a
+        # barrier) and puts the count back to 0 for the next launch.
+        _thread_barrier()
+        pid_bm = b * num_row_blocks + row_block
+        arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_real - 1:
+            gl.store(ARRIVALS + pid_bm, 0)
+            _merge_splits(
+                O_PART, LSE_PART, OUT, LSE_OUT, b64, s_st, h_st, row_ok_st, n_real,
+                stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                stride_lb, stride_ls, stride_lh, stride_lk,
+                stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+                L, BLOCK_M, MERGE_SPLITS, num_warps,
+            )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_EXIT, STAMPS)
 
 
@@ -1740,13 +1504,6 @@ def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
     gathered cache keeps the rows-on-M loop, a float8 cache the transposed loop (it converts each
     tile once for both products)."""
     return block_m == 64 and not float8 and not gather
-
-
-def default_pair_merge(one_scorer: bool, merge: bool) -> bool:
-    """Whether a launch's two-chunk sequences are merged by both of their programs
-    (``_merge_pair``; ``launch(pair_merge=None)``): one-scorer programs of a merging launch, where
-    ``PAIR_MERGE`` turns it on (off: NOTES.md item 46)."""
-    return PAIR_MERGE and one_scorer and merge
 
 
 def default_longest_first(
@@ -1803,7 +1560,6 @@ def launch(
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
     longest_first: bool | None = None,
-    pair_merge: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -1821,9 +1577,7 @@ def launch(
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
     are then its scratch (never read or written when ``num_splits`` is 1). ``arrivals`` is
-    zero again when the kernel ends. pair_merge: with merge_into, one-scorer programs of a
-    sequence in two chunks each merge half of its columns (``_merge_pair``) instead of the
-    last to arrive merging all (None: ``default_pair_merge``).
+    zero again when the kernel ends.
     stamps: an instrument, ``[programs, STAMP_SLOTS]`` int64 that every program fills with its
     phase stamps (``STAMP_FIELDS``; the op never passes one).
     """
@@ -1842,10 +1596,6 @@ def launch(
         producer_warps = 0
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
-    if pair_merge and not (one_scorer and merge_into is not None):
-        raise ValueError("pair_merge: expected one_scorer=True and merge_into given")
-    if pair_merge is None:
-        pair_merge = default_pair_merge(one_scorer, merge_into is not None)
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
         # A one-scorer program keeps the rows-on-M order (its loop holds the chunk the same way).
@@ -1935,7 +1685,6 @@ def launch(
         ASSIST_REGS=ASSIST_REGS,
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
-        PAIR=pair_merge,
         STAMPS=stamps is not None,
         LONGEST_FIRST=longest_first,
         num_warps=num_warps,

@@ -15,10 +15,6 @@ extra split counts given, and checks each variant's output against the float32 r
 one-scorer program) each thread of ``_merge_splits`` held 16 rows of every split and spilled 1,912
 bytes (offline sm_90, Triton 3.6); the shipped layout gives a warp's lanes 4 rows and no spill.
 
-``--pair`` also times one-scorer programs merging a two-chunk sequence by ``_merge_pair`` (off
-by default, ``wgmma_decode.PAIR_MERGE``; NOTES.md item 46): each of the two programs merges a
-half of the columns, instead of the program that arrives last merging them all.
-
 ``--diagnose lse_only,no_part_reads,...`` times variants of the shipped kernel (``DIAGNOSTIC``):
 ``lse_only`` runs the arrival protocol and the lse merge alone and ``no_part_reads`` stores every
 output row without reading a partial (their outputs are garbage); ``c64`` / ``c128`` merge 64- /
@@ -33,7 +29,6 @@ sequences, 2 splits: a batch the op merges in the kernel).
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 import tempfile
 from pathlib import Path
@@ -120,11 +115,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--before", action="store_true", help="also the merge layout before item 45")
     ap.add_argument("--diagnose", default="", help="diagnostic variants: " + ",".join(DIAGNOSTIC))
-    ap.add_argument("--pair", action="store_true", help="also one-scorer merges by _merge_pair")
     args = ap.parse_args()
     launches = {"kernel": wgmma_decode.launch}
-    if args.pair:
-        launches["kernel_pair"] = functools.partial(wgmma_decode.launch, pair_merge=True)
     if args.before:
         wb.VARIANTS["before_row_lanes"] = BEFORE_ROW_LANES
         launches["kernel_before"] = wb.build("before_row_lanes", Path(tempfile.mkdtemp())).launch

@@ -341,82 +341,6 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
     assert not kernels.arrival_counters(case.q.device, 1).any()
 
 
-PAIR_CASES = [
-    # Few programs, all resident together: the first of a pair to arrive waits for the other.
-    # Sequences in 0, 1 and 2 chunks (300 tokens: chunks of 256 and 44).
-    dict(heads=128, s_q=1, lengths=[600, 0, 1, 2000, 300, 4096]),
-    # Causal S_q = 3 x 43 heads: two row blocks, the second a single row.
-    dict(heads=43, s_q=3, lengths=[3, 1500, 700], causal=True),
-    # 160 sequences x 2 chunks x 2 row blocks: 640 programs, every first chunk before every
-    # second one (split-major), so the first wave's first chunks end before their partners start
-    # and store their whole partial for them instead of waiting (the grid does not fit on the GPU
-    # at once). 128 heads, as the first case: the same compiled kernels.
-    dict(heads=128, s_q=1, lengths=[600] * 160),
-]
-
-
-@requires_hopper
-@pytest.mark.parametrize("kw", PAIR_CASES, ids=lambda kw: f"h{kw['heads']}xb{len(kw['lengths'])}")
-def test_one_scorer_pairs_merge_two_chunk_sequences(kernels, monkeypatch, kw: dict) -> None:
-    """One-scorer programs of a sequence in two chunks merge a column half each
-    (``_merge_pair``, in the launched kernel's PTX its compare-and-swap): the output matches the
-    float64 reference, and the merge by the program that arrives last (``pair_merge=False``) and
-    decode + combine within bf16 rounding (``test_attention_merges_in_the_kernel``'s tolerance;
-    bit equality is not asserted, NOTES.md item 46); the same bits on a second call; the arrival
-    counters zero after every call, whichever way the pairs met."""
-    import functools
-
-    from mla_ops import wgmma_decode
-
-    monkeypatch.setattr(wgmma_decode, "PAIR_MERGE", True)
-    case = make_case(
-        65, dtype=torch.bfloat16, device="cuda", dims=(512, 64), page_size=64, num_splits=2, **kw
-    )  # fmt: skip
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
-    assert kernels.LAST_LAUNCH["wgmma_pair_merge"] is True
-    assert ".cas.b32" in kernels.LAST_LAUNCH["decode"].asm["ptx"]
-    assert not kernels.arrival_counters(case.q.device, 1).any()
-    ref_out, ref_lse = case.reference()
-    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    again = kernels.attention(*case.op_args())
-    assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    monkeypatch.setattr(
-        wgmma_decode, "launch", functools.partial(wgmma_decode.launch, pair_merge=False)
-    )
-    last = kernels.attention(*case.op_args())
-    assert ".cas.b32" not in kernels.LAST_LAUNCH["decode"].asm["ptx"]
-    out_c, lse_c = kernels.combine(*kernels.decode(*case.op_args()), torch.bfloat16)
-    for o, s in (last, (out_c, lse_c)):
-        torch.testing.assert_close(o, out, atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(s, lse, atol=1e-5, rtol=1e-5)
-    assert not kernels.arrival_counters(case.q.device, 1).any()
-
-
-@requires_hopper
-def test_one_scorer_pair_with_a_bad_page(kernels, monkeypatch) -> None:
-    """A page id past the cache in one chunk of a two-chunk sequence: both halves of that
-    sequence's rows are NaN (the partner's half too), the other sequences match the reference."""
-    from mla_ops import wgmma_decode
-
-    monkeypatch.setattr(wgmma_decode, "PAIR_MERGE", True)
-    case = make_case(
-        66, dtype=torch.bfloat16, device="cuda", dims=(512, 64), page_size=64, heads=128, s_q=1,
-        lengths=[700, 900, 1], num_splits=2,
-    )  # fmt: skip
-    ref_out, ref_lse = case.reference()
-    case.block_table[1, 0] = case.kv_c.shape[0] + 3  # in sequence 1's first chunk
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_pair_merge"] is True
-    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
-    assert not torch.isnan(out[[0, 2]]).any()
-    assert_matches(
-        out[[0, 2]], lse[[0, 2]], ref_out[[0, 2]], ref_lse[[0, 2]], torch.bfloat16,
-        case.describe(),
-    )  # fmt: skip
-    assert not kernels.arrival_counters(case.q.device, 1).any()
-
-
 @requires_hopper
 @pytest.mark.parametrize(("heads", "page_size"), [(16, 64), (16, 1), (128, 64)])
 def test_phase_stamps_are_ordered_and_leave_the_output_alone(
@@ -739,26 +663,6 @@ def test_one_scorer_default() -> None:
     assert not wgmma_decode.default_one_scorer(16, float8=False, gather=False)
 
 
-def test_pair_merge_is_off_by_default_and_needs_a_merging_one_scorer_launch() -> None:
-    """``_merge_pair`` runs only where asked (``PAIR_MERGE`` off, NOTES.md item 46), and asking
-    for it outside a merging one-scorer launch is refused by name before anything is launched."""
-    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_ops import wgmma_decode
-
-    assert wgmma_decode.PAIR_MERGE is False
-    assert not wgmma_decode.default_pair_merge(one_scorer=True, merge=True)
-    case = make_case(67, dtype=torch.bfloat16, device="cpu", dims=(512, 64), heads=16, s_q=1,
-                     lengths=[300], page_size=64, num_splits=2)  # fmt: skip
-    out = torch.empty(1, 1, 16, 2, 512)
-    lse = torch.empty(1, 1, 16, 2)
-    with pytest.raises(ValueError, match="pair_merge: expected one_scorer=True and merge_into"):
-        wgmma_decode.launch(
-            case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse, 0.1,
-            None, False, 2, None, block_m=16, num_warps=4, num_stages=2, min_chunk=256,
-            granule=64, lengths_per_step=128, pair_merge=True,
-        )  # fmt: skip
-
-
 @requires_hopper
 def test_config_can_turn_wgmma_off(kernels) -> None:
     case = make_case(
@@ -959,10 +863,8 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     Triton 3.6)."""
     from mla_ops import triton_kernels
 
-    # pair=False: the merge of _merge_splits alone (test_one_scorer_pair_merge_compiles checks
-    # _merge_pair's).
     res = _offline_compile(
-        f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}, pair=False); "
+        f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); "
         "r['cg_v4'] = ptx.count('ld.global.cg.v4'); r['cg'] = ptx.count('ld.global.cg'); print(r)"
@@ -976,26 +878,6 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     # (unrolled, 256 loads in the code stalled the merge on instruction fetch).
     assert (res["cg_v4"] > 0) == merge and res["cg"] - res["cg_v4"] <= (16 if merge else 0), res
     assert res["cg_v4"] <= 64, res
-
-
-@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
-def test_one_scorer_pair_merge_compiles() -> None:
-    """``_merge_pair`` in a merging one-scorer build: no spill (the main loop has no register to
-    spare: a pair merge that picked its shared-memory half with a branch spilled 48 bytes,
-    reloaded in every tile, under Triton 3.6); the start counted with a relaxed atomic (a
-    reduction under Triton 3.9), the hand-over to the partner decided by a compare-and-swap and
-    its "whole partial stored" a release; the partner's half read with 16-byte loads (32 a
-    half, beside _merge_splits' 32)."""
-    res = _offline_compile(
-        "import re; k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge=True, pair=True); "
-        "r = oc.resources(k); ptx = k.asm['ptx']; r['cg_v4'] = ptx.count('ld.global.cg.v4'); "
-        "r['relaxed'] = len(re.findall(r'(atom|red)[.]global[.]gpu[.]relaxed[.]add', ptx)); "
-        "r['release'] = len(re.findall(r'(atom|red)[.]global[.]gpu[.]release[.]add', ptx)); "
-        "r['cas'] = len(re.findall(r'atom[.a-z_]*[.]cas', ptx)); print(r)"
-    )
-    assert res["spill_bytes"] == 0, res
-    assert res["relaxed"] >= 1 and res["release"] >= 1 and res["cas"] >= 1, res
-    assert res["cg_v4"] >= 32 + 32, res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
