@@ -129,7 +129,7 @@ def _dsmem_read(
 MODES = ("own", "pull", "push")
 
 
-def run(clusters: int, kb: int, reps: int, mode: str, warps: int = 8):
+def run(clusters: int, kb: int, reps: int, mode: str, warps: int = 8, cluster: bool = True):
     """One cluster launch of ``_dsmem_read``: returns (out, stamps) and the compiled kernel."""
     n = kb * 256
     programs = 2 * clusters
@@ -139,8 +139,12 @@ def run(clusters: int, kb: int, reps: int, mode: str, warps: int = 8):
         out, stamps, N=n, REPS=reps, MODE=MODES.index(mode), num_warps=warps, grid=(programs,)
     )
     num_warps, _, shared = kernel.packed_metadata
-    kernel.packed_metadata = (num_warps, 2, shared)  # clusters of 2 programs
-    kernel[(clusters, 1, 1)](out, stamps, n, reps, MODES.index(mode), warps)
+    if cluster:
+        kernel.packed_metadata = (num_warps, 2, shared)  # clusters of 2 programs
+        kernel[(clusters, 1, 1)](out, stamps, n, reps, MODES.index(mode), warps)
+    else:  # each program a cluster of its own (MODE "own" only: no partner to reach)
+        kernel.packed_metadata = (num_warps, 1, shared)
+        kernel[(2 * clusters, 1, 1)](out, stamps, n, reps, MODES.index(mode), warps)
     return out, stamps
 
 
@@ -152,8 +156,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=8, help="reads of the whole buffer")
     ap.add_argument("--clusters", default="4,32,64", help="pairs at once")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument(
+        "--launch", action="store_true",
+        help="only the launch: CUDA-graph replay time of mode own, 1 rep, clusters of 2 or not",
+    )  # fmt: skip
     args = ap.parse_args()
     n = args.kb * 256
+    if args.launch:
+        for clusters in [int(c) for c in args.clusters.split(",")]:
+            for cluster in (False, True):
+
+                def call(c=cluster, k=clusters):
+                    run(k, args.kb, 1, "own", cluster=c)
+
+                us = bd.time_rotating([bd.graphed(call)], warmup=10, rep=100, l2="none") * 1e6
+                print(dict(programs=2 * clusters, cluster=cluster, replay_us=us), flush=True)
+        return
     rows = []
     for clusters in [int(c) for c in args.clusters.split(",")]:
         for mode in MODES:
