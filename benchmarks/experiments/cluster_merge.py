@@ -3,23 +3,26 @@ in-kernel merge by the last to arrive: one-scorer programs of a sequence in two 
 cluster of 2 and merge through each other's shared memory instead of L2.
 
 The variant is the shipped kernel's source with patches (``wgmma_bottleneck.build``):
-- programs ``2k`` and ``2k + 1`` are chunks 0 and 1 of one row block (split fastest);
+- programs ``2k`` and ``2k + 1`` are chunks 0 and 1 of one row block (split fastest); with
+  ``--ctas 4``, clusters of 4 also hold both row blocks of a pair of row blocks;
 - 512 bytes past Triton's allocation (found through ``%dynamic_smem_size``) hold two mbarriers
   (ready, done; one arrival each, after a cluster-scope fence in every thread and a barrier)
-  and the partner's lse; they are initialised before the
-  warp-specialized region, and both partitions execute ``barrier.cluster`` at their start;
+  and the partner's lse; they are initialised before the warp-specialized region, and both
+  partitions execute ``barrier.cluster`` at their start;
 - a sequence in two chunks: each program stages its output halves, scaled, in shared memory
   (warpgroup 0's in ring slot 1, warpgroup 1's where it already is), signals ready, pushes the
   half its partner keeps into the partner's ring slot 0 (``st.shared::cluster``) with its lse,
   signals done, then merges its own half with the pushed one and stores the final rows;
 - the launch compiles the kernel, finds ring slot 0's offset by running Triton's own allocation
-  pass on its TTGIR (``ring_offset``; the variant is rebuilt with it if it differs from the
-  guess), asks for the 512 bytes more and launches clusters of 2.
+  pass on its TTGIR (``ring_offset``; a run whose ``--land-off`` differs stops and says which to
+  pass), asks for the 512 bytes more and launches clusters.
 
 Only for even plans of exactly two chunks per sequence (case (b) at ``num_splits = 2``); a
-sequence in one chunk and ragged plans are not handled. An instrument, not the op.
+sequence in one chunk and ragged plans are not handled. An instrument, not the op. ``--stamps``
+also times stamped builds and reports their last replay's phases (slots 10-13 of the stamp row:
+staged, ready, pushed, landed).
 
-    python benchmarks/experiments/cluster_merge.py --cases b --out $OUT
+    python benchmarks/experiments/cluster_merge.py --cases b --stamps --ctas 2,4 --out $OUT
 """
 
 from __future__ import annotations
@@ -117,6 +120,18 @@ def _cl_handoff(which):
 
 
 @gluon.jit
+def _cl_block(split, for_chunk_0, for_chunk_1, k: gl.constexpr, CH: gl.constexpr,
+              layout: gl.constexpr):
+    """Column block ``k`` (``CH`` columns) of ``for_chunk_0`` in chunk 0's program, else of
+    ``for_chunk_1``: both float32 ``[BLOCK_M, L/2]`` halves in shared memory."""
+    if split == 0:
+        x = for_chunk_0.slice(k * CH, CH, dim=1).load(layout)
+    else:
+        x = for_chunk_1.slice(k * CH, CH, dim=1).load(layout)
+    return x
+
+
+@gluon.jit
 def _cl_epilogue(
     o_t, q_smem, kv_ring, OUT, LSE_OUT, lse, scale, bad, split, b64, rows, row_ok, stride_fb,
     stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW,
@@ -151,10 +166,7 @@ def _cl_epilogue(
     _stamp(STAMP_ROW, 11, STAMPS)  # the partner is ready
     # Push the half the partner keeps (chunk 0 keeps columns [0, L/2), chunk 1 the rest).
     for k in gl.static_range(HALF // CH):
-        if split == 0:
-            x = wg1.slice(k * CH, CH, dim=1).load(layout)
-        else:
-            x = stage.slice(k * CH, CH, dim=1).load(layout)
+        x = _cl_block(split, wg1, stage, k, CH, layout)
         byte = LAND_OFF + (m[:, None] * HALF + k * CH + lcol[None, :]) * 4
         gl.inline_asm_elementwise(
             _CL_PUSH4, "=r,=r,=r,=r,f,f,f,f,r,r,r,r", [x, byte], dtype=gl.int32, is_pure=False,
@@ -182,10 +194,7 @@ def _cl_epilogue(
     w_partner = gl.where(split == 0, w1, w0) / total_safe
     out_row = OUT + b64 * stride_fb + (r // H) * stride_fs + (r % H) * stride_fh
     for k in gl.static_range(HALF // CH):
-        if split == 0:
-            own = stage.slice(k * CH, CH, dim=1).load(layout)
-        else:
-            own = wg1.slice(k * CH, CH, dim=1).load(layout)
+        own = _cl_block(split, stage, wg1, k, CH, layout)
         byte = LAND_OFF + (m[:, None] * HALF + k * CH + lcol[None, :]) * 4
         partner = gl.inline_asm_elementwise(
             _CL_LOAD4, "=f,=f,=f,=f,r,r,r,r", [byte], dtype=gl.float32, is_pure=False, pack=4
@@ -322,58 +331,15 @@ def build(land_off: int, ctas: int = 2):
         wb.SOURCE = source
 
 
-def stamped(variant, shipped_launch) -> dict:
-    """One stamped launch of (b) at 2 splits per merge in the kernel (the variant's and the
-    shipped one): when programs start and exit (us from the first entry), and on how many
-    multiprocessors."""
-    case = bd.CASES["b"]
-    inp = bd.input_copies(case, 0)[0]
-    out = {}
-    for name, launch in (("kernel", shipped_launch), ("cluster", variant.launch)):
-        programs = case.batch * 2 * 2  # sequences x row blocks x splits
-        buf = torch.zeros(programs, wgmma_decode.STAMP_SLOTS.value, dtype=torch.int64,
-                          device="cuda")  # fmt: skip
-        tk.MERGE_MAX_SPLITS = 2
-        wgmma_decode.launch = functools.partial(launch, stamps=buf)
-        for _ in range(3):
-            torch.ops.mla.attention(*inp.op_args(2, None))
-        torch.cuda.synchronize()
-        # Event time of single calls (no L2 eviction), stamped and not, beside the stamps' span.
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = {}
-        for build, fn in (("stamped", wgmma_decode.launch), ("plain", launch)):
-            wgmma_decode.launch = fn
-            times[build] = []
-            for _ in range(10):
-                start.record()
-                torch.ops.mla.attention(*inp.op_args(2, None))
-                end.record()
-                torch.cuda.synchronize()
-                times[build].append(start.elapsed_time(end) * 1e3)
-        wgmma_decode.launch = shipped_launch
-        fields = wgmma_decode.STAMP_FIELDS
-        s = buf.double().cpu()
-        t0 = s[:, fields.index("entry")].min()
-        entry = ((s[:, fields.index("entry")] - t0) / 1e3).tolist()
-        loop_end = ((s[:, fields.index("loop_end")] - t0) / 1e3).tolist()
-        exit_ = ((s[:, fields.index("exit")] - t0) / 1e3).tolist()
-        sms = len(set(s[:, fields.index("sm")].tolist()))
-        q = lambda v: [round(sorted(v)[int(f * (len(v) - 1))], 1) for f in (0, 0.5, 0.9, 1)]
-        out[name] = dict(entry=q(entry), loop_end=q(loop_end), exit=q(exit_), sms=sms)
-        out[name].update(event_stamped_us=q(times["stamped"]), event_us=q(times["plain"]))
-        if name == "cluster":
-            for slot, what in ((10, "staged"), (11, "ready"), (12, "pushed"), (13, "landed")):
-                out[name][what] = q(((s[:, slot] - t0) / 1e3).tolist())
-        print(name, out[name], flush=True)
-    return {"stamps": out}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="b")
     ap.add_argument("--land-off", type=int, default=0, help="first guess of ring slot 0's offset")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--stamps", action="store_true", help="also phase stamps of one launch each")
+    ap.add_argument(
+        "--stamps", action="store_true",
+        help="also time stamped builds and report their last replay's phases",
+    )  # fmt: skip
     ap.add_argument("--ctas", default="2", help="cluster sizes to time: 2 and/or 4")
     args = ap.parse_args()
     shipped_launch, shipped_max = wgmma_decode.launch, tk.MERGE_MAX_SPLITS
@@ -427,11 +393,9 @@ def main() -> None:
             print(row, flush=True)
         del copies
         torch.cuda.empty_cache()
-    if args.stamps:
-        rows.append(stamped(variants[min(variants)], shipped_launch))
     bd.save_experiment(args.out, "cluster_merge", ceil, rows)
     print(f"\n{props.name}; torch {torch.__version__}, triton {bd.triton.__version__}; {ceil}")
-    for r in (r for r in rows if "case" in r):
+    for r in rows:
         print(f"{r['case']:5}{r['merger']:>16}{r['us']:9.1f}{r['roofline_fraction']:9.3f}"
               f"  {r['rel_err']:.1e}  span {r.get('span_us', float('nan')):.1f}")  # fmt: skip
 
