@@ -105,6 +105,10 @@ STAMP_FIELDS = (
     "exit",  # the partials (or the final rows, or the merge) stored
     "sm",  # not a time: the multiprocessor the program ran on
     "tiles",  # not a time: KV tiles of the split (0 for an empty split)
+    # One-scorer programs' epilogue, each warpgroup storing its own output half:
+    "assist_end",  # warpgroup 1: its last P.V done
+    "sums_handed",  # warpgroup 0: the final row sums handed to warpgroup 1
+    "assist_stored",  # warpgroup 1: its half's stores issued
 )
 STAMP_SLOTS = gl.constexpr(16)
 
@@ -121,6 +125,9 @@ STAMP_LAST_COPY = gl.constexpr(STAMP_FIELDS.index("last_copy"))
 STAMP_EXIT = gl.constexpr(STAMP_FIELDS.index("exit"))
 STAMP_SM = gl.constexpr(STAMP_FIELDS.index("sm"))
 STAMP_TILES = gl.constexpr(STAMP_FIELDS.index("tiles"))
+STAMP_ASSIST_END = gl.constexpr(STAMP_FIELDS.index("assist_end"))
+STAMP_SUMS_HANDED = gl.constexpr(STAMP_FIELDS.index("sums_handed"))
+STAMP_ASSIST_STORED = gl.constexpr(STAMP_FIELDS.index("assist_stored"))
 
 
 @gluon.constexpr_function
@@ -328,7 +335,8 @@ def _merge_block_load(part_rows, offs_c, stride_od, read, c, CHUNK_L: gl.constex
     """Column block ``c`` of every split's partial rows: ``[MAX_SPLITS, CHUNK_L, BLOCK_M]``, read
     past L1 (``.cg``: from L2, never a stale L1 line)."""
     cols = gl.expand_dims(gl.expand_dims((c * CHUNK_L + offs_c) * stride_od, 1), 0)
-    return gl.load(part_rows + cols, mask=read, other=0.0, cache_modifier=".cg")
+    part = gl.load(part_rows + cols, mask=read, other=0.0, cache_modifier=".cg")
+    return part.to(gl.float32)  # 16-bit partials (triton_kernels.partial_dtype) merge in float32
 
 
 @gluon.jit
@@ -912,24 +920,76 @@ def _consume_rows_on_m(
 
 
 @gluon.jit
-def _output_half(q_smem, BLOCK_M: gl.constexpr, L: gl.constexpr):
-    """The nope query's shared memory (``[BLOCK_M, L]`` 16-bit) viewed as a float32
-    ``[BLOCK_M, L / 2]`` output half: a one-scorer program's warpgroup 1 hands its half over in
-    it once the last tile's scores are done (``_assist_tiles``)."""
-    layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    if _NAMED_REINTERPRET:
-        view = q_smem.reinterpret(gl.float32, [BLOCK_M, L // 2], layout)
+def _store_output_half(
+    O_PART, LSE_PART, OUT, LSE_OUT, q_smem, o, m_i, l_i, poisoned, kv_scale, b64, row_block, split,
+    n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh,
+    stride_lk, stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+    COL0: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr,
+    MERGE: gl.constexpr, WITH_LSE: gl.constexpr,
+):  # fmt: skip
+    """One warpgroup of a one-scorer program stores its output half ``o [BLOCK_M, L/2]``
+    (columns ``COL0 ..``) straight from its wgmma accumulator, divided by the row sums ``l_i``
+    (times ``kv_scale``), NaN where ``poisoned``; ``WITH_LSE``: also the rows' LSE (``m_i`` in
+    the log2 domain). Into the partials at ``split``, or, with ``MERGE`` and a sequence in one
+    chunk, into the final ``OUT``/``LSE_OUT`` in their dtypes.
+
+    Why from the accumulator: handing warpgroup 1's half to warpgroup 0 through shared memory and
+    storing both halves from 4 warps took 7.2 us after the loop, 5.3 of them in the stores
+    (stamps, NOTES.md item 48). In this layout a warp's float32 store covers 8 rows x 32 bytes,
+    whole sectors. 16-bit final rows would go out in 16-byte pieces, half sectors, which cost
+    (f) 2 % (item 48): they are staged through the query's shared memory (``q_smem``, dead once
+    the last tile is scored) and stored 16 bytes a lane, 128 bytes a row."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L // 2, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+    row_ok = rows < S_Q * H
+    s_idx = rows // H
+    h_idx = rows % H
+    cols = COL0 + gl.arange(0, L // 2, layout=gl.SliceLayout(0, o_layout))
+    l_i = gl.convert_layout(l_i, row_layout)
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    out = o * (kv_scale / l_safe)[:, None]
+    out = gl.where(poisoned, float("nan"), out)
+    # The condition spelled out in each if: held in a variable, its constant False (no MERGE)
+    # became a runtime branch around a store, which Triton 3.6 fails to lower (NOTES.md item 33).
+    if MERGE and n_real == 1:
+        stage = q_smem.slice(COL0, L // 2, dim=1)
+        stage.store(out.to(q_smem.dtype))
+        _thread_barrier()
+        wide: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows_w = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
+        cols_w = COL0 + gl.arange(0, L // 2, layout=gl.SliceLayout(0, wide))
+        out_rows = OUT + b64 * stride_fb + ((rows_w // H) * stride_fs + (rows_w % H) * stride_fh)
+        out_ptrs = out_rows[:, None] + cols_w[None, :] * stride_fd
+        gl.store(out_ptrs, stage.load(wide), mask=(rows_w < S_Q * H)[:, None])
     else:
-        view = q_smem._reinterpret(gl.float32, [BLOCK_M, L // 2], layout)
-    return view
+        part_rows = O_PART + b64 * stride_ob + split * stride_ok
+        part_rows += (s_idx * stride_os + h_idx * stride_oh)[:, None]
+        gl.store(part_rows + cols[None, :] * stride_od, out, mask=row_ok[:, None])
+    if WITH_LSE:
+        m_i = gl.convert_layout(m_i, row_layout)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+        lse = gl.where(poisoned, float("nan"), lse)
+        if MERGE and n_real == 1:
+            lse_ptrs = LSE_OUT + b64 * stride_gb + s_idx * stride_gs + h_idx * stride_gh
+        else:
+            lse_ptrs = LSE_PART + b64 * stride_lb + split * stride_lk
+            lse_ptrs += s_idx * stride_ls + h_idx * stride_lh
+        gl.store(lse_ptrs, lse, mask=row_ok)
 
 
 @gluon.jit
 def _score_tiles(
-    kv_ring, pe_ring, q_smem, qpe_smem, p_smem, alpha_smem, ready, free, p_ready, p_free,
-    row_block, seqlen, start, end, n_tiles, scale_log2, STAMP_ROW, S_Q: gl.constexpr,
-    H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-    CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, STAMPS: gl.constexpr,
+    kv_ring, pe_ring, q_smem, qpe_smem, p_smem, alpha_smem, ready, free, p_ready, p_free, done,
+    bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real, bad_before, seqlen,
+    start, end, n_tiles, scale_log2, kv_scale, stride_ob, stride_os, stride_oh, stride_ok,
+    stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
+    stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr,
+    L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+    HAS_PE: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup 0 of a one-scorer program (``ONE_SCORER``): for each tile the whole scores
     ``S [64, BLOCK_N] = Q K^T`` (``m64n64k16``), the online softmax, ``P`` and the output's
@@ -941,7 +1001,13 @@ def _score_tiles(
     Why: when both warpgroups score half of the tile's tokens each (``_consume_rows_on_m``), each
     reads the whole 64 x 576 query from shared memory for its 32 tokens, and the scores run at the
     shared-memory bound (1840 clocks per tile against 1221 for one warpgroup scoring all 64;
-    NOTES.md item 43). Returns the output half ``[BLOCK_M, L/2]``, the running max and sum.
+    NOTES.md item 43).
+
+    At the end: warpgroup 1's count of tokens at invalid cache locations (``done``, its first
+    phase), the final row sums to warpgroup 1 through ``alpha_smem`` (``p_ready``, once more),
+    then this half and the rows' LSE stored (``_store_output_half``). In that order: warpgroup 1
+    completes ``done``'s second phase only once it has the sums, so the first wait cannot miss
+    its phase.
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -986,24 +1052,41 @@ def _score_tiles(
         _thread_barrier()
         mbarrier.arrive(free.index(slot), count=1)
     _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
-    return o, m_i, l_i
+    mbarrier.wait(done, 0)
+    bad = bad_smem.load(gl.SliceLayout(1, _copy_layouts(4, False)[2]))
+    poisoned = bad_before + gl.sum(bad, 0) > 0
+    # alpha_smem is free once warpgroup 1 has read the last tile's alpha (its P.V done).
+    mbarrier.wait(p_free, (n_tiles & 1) ^ 1)
+    alpha_smem.store(l_i)
+    _thread_barrier()
+    mbarrier.arrive(p_ready, count=1)
+    _stamp(STAMP_ROW, STAMP_SUMS_HANDED, STAMPS)
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, q_smem, o, m_i, l_i, poisoned, kv_scale, b64, row_block,
+        split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls,
+        stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs,
+        stride_gh, 0, S_Q, H, L, BLOCK_M, MERGE, True,
+    )  # fmt: skip
 
 
 @gluon.jit
 def _assist_tiles(
     KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, q_smem, p_smem, alpha_smem, ready,
-    free, p_ready, p_free, done, bad_smem, b64, start, end, n_tiles, stride_btb, stride_btp,
-    NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE: gl.constexpr,
-    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    CHUNK: gl.constexpr,
+    free, p_ready, p_free, done, bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64, row_block, split,
+    n_real, bad_before, start, end, n_tiles, kv_scale, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+    stride_kvp, stride_kvt, stride_pep, stride_pet, stride_ob, stride_os, stride_oh, stride_ok,
+    stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
+    stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, L: gl.constexpr,
+    R: gl.constexpr, CHUNK: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr,
 ):  # fmt: skip
     """Warpgroup 1 of a one-scorer program: for each tile, once warpgroup 0 has handed over
     ``P`` and the rescaling factor, the output's other half ``O[:, L/2:] += P V[:, L/2:]``; then,
     once warpgroup 0 is done with the slot too, the copy of the tile ``NUM_STAGES`` ahead into it
-    (the first ``NUM_STAGES`` were issued before the partitions). At the end its output half goes
-    into the query's shared memory (float32 ``[BLOCK_M, L/2]``, the size of the nope query, which
-    no one reads any more once the last ``P`` exists), and the invalid tokens it counted into
-    ``bad_smem``, signalled on ``done``."""
+    (the first ``NUM_STAGES`` were issued before the partitions). At the end: the invalid tokens
+    it counted into ``bad_smem`` (``done``, first phase), then, with the final row sums from
+    warpgroup 0 (``p_ready`` once more), its output half stored (``_store_output_half``) and
+    ``done``'s second phase."""
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     BLOCK_M: gl.constexpr = p_smem.shape[0]
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -1038,8 +1121,22 @@ def _assist_tiles(
                 stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, False, L, R,
                 CHUNK, gather_layout, io_layout,
             )  # fmt: skip
-    _output_half(q_smem, BLOCK_M, L).store(o)
+    _stamp(STAMP_ROW, STAMP_ASSIST_END, STAMPS)
     bad_smem.store(n_bad)
+    _thread_barrier()
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(p_ready, n_tiles & 1)
+    l_i = alpha_smem.load(gl.SliceLayout(1, o_layout))
+    poisoned = bad_before + gl.sum(n_bad, 0) > 0
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, q_smem, o, l_i, l_i, poisoned, kv_scale, b64, row_block,
+        split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls,
+        stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs,
+        stride_gh, L // 2, S_Q, H, L, BLOCK_M, MERGE, False,
+    )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_ASSIST_STORED, STAMPS)
+    # The stores issued by every warp before the arrival: a merging program's release at gpu
+    # scope (the kernel's arrival atomic) follows this phase.
     _thread_barrier()
     mbarrier.arrive(done, count=1)
 
@@ -1138,8 +1235,6 @@ def _mla_decode_wgmma_kernel(
     io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
     gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
-    # A one-scorer program's output halves [BLOCK_M, L / 2], latent columns across a warp's lanes.
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [num_warps, 1], [1, 0])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
     # Which chunk (split, sequence) this program takes. Splits vary slowest: every sequence's
@@ -1191,6 +1286,7 @@ def _mla_decode_wgmma_kernel(
     rows_st = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
     row_ok_st = rows_st < S_Q * H
+    n_real = gl.cdiv(seqlen, chunk)  # the sequence's chunks (MERGE: 1 writes the final rows)
     if start >= end:
         # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
         # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (a), (d), (e),
@@ -1347,37 +1443,47 @@ def _mla_decode_wgmma_kernel(
             bad_smem = gl.allocate_shared_memory(
                 gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
             )
-            o, m_i, l_i = gl.warp_specialize(
+            bad_before = gl.sum(n_bad, 0)
+            # Each warpgroup stores its own output half (warpgroup 0 the LSE too).
+            gl.warp_specialize(
                 [
                     (
                         _score_tiles,
                         (
                             kv_ring, pe_ring, q_smem, qpe_smem, p_smem, alpha_smem, ready, free,
-                            p_ready, p_free, row_block, seqlen, start, end, n_tiles, scale_log2,
-                            STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, STAMPS,
+                            p_ready, p_free, done, bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64,
+                            row_block, split, n_real, bad_before, seqlen, start, end, n_tiles,
+                            scale_log2, kv_scale, stride_ob, stride_os, stride_oh, stride_ok,
+                            stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb,
+                            stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
+                            STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, MERGE,
+                            STAMPS,
                         ),
                     ),
                     (
                         _assist_tiles,
                         (
                             KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, q_smem,
-                            p_smem, alpha_smem, ready, free, p_ready, p_free, done, bad_smem,
-                            b64, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
-                            MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE,
-                            NUM_STAGES, HAS_PE, L, R, CHUNK,
+                            p_smem,
+                            alpha_smem, ready, free, p_ready, p_free, done, bad_smem, O_PART,
+                            LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real, bad_before,
+                            start, end, n_tiles, kv_scale, stride_btb, stride_btp, NUM_PAGES,
+                            MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, stride_ob,
+                            stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls,
+                            stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
+                            stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q, H, PAGE_SIZE,
+                            NUM_STAGES, HAS_PE, L, R, CHUNK, MERGE, STAMPS,
                         ),
                     ),
                 ],
                 [4],
                 [ASSIST_REGS],
             )  # fmt: skip
-            # Warpgroup 1's output half (in the query's shared memory) and its invalid tokens.
-            mbarrier.wait(done, 0)
-            n_bad += bad_smem.load(gl.SliceLayout(1, gather_layout))
+            # Warpgroup 1's stores issued (done's second phase).
+            mbarrier.wait(done, 1)
             mbarrier.invalidate(done)
             mbarrier.invalidate(p_ready)
             mbarrier.invalidate(p_free)
-            o_t = gl.permute(gl.convert_layout(o, rows_layout), (1, 0))
         elif ROWS_ON_M:
             _store_query(q_nope, q_pe, q_smem, qpe_smem, 1.0, HAS_PE, False)
             _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
@@ -1401,41 +1507,32 @@ def _mla_decode_wgmma_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
-    n_bad = gl.sum(n_bad, 0)
-
-    l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
-    m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
-    empty = l_st == 0.0
-    l_safe = gl.where(empty, 1.0, l_st)
-    lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
-    # A token at an invalid cache location was never read: the whole split's rows are NaN.
-    lse = gl.where(n_bad > 0, float("nan"), lse)
     s_st = rows_st // H
     h_st = rows_st % H
     # Without MERGE every chunk writes its partial. With MERGE, a sequence cut into one chunk
     # writes its final rows here (mla::combine of one split is exactly this cast); with more,
     # every chunk writes its partial and the program that arrives last merges them (splits past
-    # the sequence's chunks exited above).
-    n_real = gl.cdiv(seqlen, chunk)
-    # The output in column parts: a one-scorer program's 4 warps hold half of it in registers
-    # and get the other half from warpgroup 1 through shared memory (_assist_tiles).
-    OUT_PARTS: gl.constexpr = 2 if ONE_SCORER else 1
-    L_PART: gl.constexpr = L // OUT_PARTS
-    for part in gl.static_range(OUT_PARTS):
-        if part == 1:
-            o_t = gl.permute(_output_half(q_smem, BLOCK_M, L).load(rows_layout), (1, 0))
-        offs_part = part * L_PART + gl.arange(0, L_PART, layout=gl.SliceLayout(1, st_layout))
+    # the sequence's chunks exited above). One-scorer programs stored theirs in the partitions.
+    if not ONE_SCORER:
+        n_bad = gl.sum(n_bad, 0)
+        l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
+        m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
+        empty = l_st == 0.0
+        l_safe = gl.where(empty, 1.0, l_st)
+        lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
+        # A token at an invalid cache location was never read: the whole split's rows are NaN.
+        lse = gl.where(n_bad > 0, float("nan"), lse)
         # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
         out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
         out_t = gl.where(n_bad > 0, float("nan"), out_t)
         if MERGE and n_real == 1:
             _store_partial_t(
-                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_part, row_ok_st, stride_fb,
+                OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_l_st, row_ok_st, stride_fb,
                 stride_fs, stride_fh, 0, stride_fd, stride_gb, stride_gs, stride_gh, 0,
             )  # fmt: skip
         else:
             _store_partial_t(
-                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_part, row_ok_st,
+                O_PART, LSE_PART, out_t, lse, b64, s_st, h_st, split, offs_l_st, row_ok_st,
                 stride_ob, stride_os, stride_oh, stride_ok, stride_od,
                 stride_lb, stride_ls, stride_lh, stride_lk,
             )  # fmt: skip

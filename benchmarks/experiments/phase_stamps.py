@@ -96,6 +96,11 @@ def summarise(stamps: torch.Tensor, tile_bytes: int) -> dict:
         steady_copy_rate_gbs=steady_rate,
         drain=quantiles((col("loop_end") - col("last_copy")).tolist()),
         epilogue=quantiles((col("exit") - col("loop_end")).tolist()),
+        # One-scorer programs' epilogue in steps, each from the loop's end (warpgroup 0's).
+        **{
+            f"{name}_after_loop": quantiles((col(name) - col("loop_end")).tolist())
+            for name in ("assist_end", "sums_handed", "assist_stored")
+        },
         exit=quantiles(rel[:, FIELD["exit"]].tolist()),
         tiles=quantiles(n.tolist()),
     )
@@ -181,7 +186,8 @@ def print_case(row: dict) -> None:
     )
     for key in (
         "bounds", "query", "first_copy", "first_tile", "first_tile_after_copy", "loop_us",
-        "us_per_tile", "drain", "epilogue", "exit", "sm_last_exit",
+        "us_per_tile", "drain", "epilogue", "assist_end_after_loop", "sums_handed_after_loop",
+        "assist_stored_after_loop", "exit", "sm_last_exit",
     ):  # fmt: skip
         q = r[key]
         print(

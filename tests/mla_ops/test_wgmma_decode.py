@@ -390,8 +390,12 @@ def test_phase_stamps_are_ordered_and_leave_the_output_alone(
     if block_m == 16:  # the producer partition's copies
         assert (f["first_copy"][real] <= f["first_tile"][real]).all()
         assert (f["last_copy"][real] <= f["loop_end"][real]).all()
-    else:
+    else:  # one-scorer programs: each warpgroup stores its own output half after the loop
         assert (f["first_copy"] == 0).all()
+        for a, b in [("loop_end", "sums_handed"), ("sums_handed", "exit"),
+                     ("assist_end", "assist_stored"), ("assist_stored", "exit")]:  # fmt: skip
+            assert (f[a][real] <= f[b][real]).all(), (a, b)
+            assert (f[a][real] > 0).all(), a
     with pytest.raises(ValueError, match="stamps: expected int64"):
         wgmma_decode.launch.func(
             *_launch_args(kernels, case), gather=page_size % 64 != 0, stamps=stamps[1:]
