@@ -395,14 +395,13 @@ def experiment_case(name: str, ceil: dict) -> ExperimentCase:
 
 def wgmma_call(
     inp: Inputs, num_splits: int, total_splits: int | None, with_combine: bool = True,
-    module=None, out_dtype: torch.dtype = torch.float32, **launch_kw,
+    module=None, **launch_kw,
 ):  # fmt: skip
     """A closure launching the wgmma kernel directly (``module.launch``; default
     ``mla_ops.wgmma_decode``, or a variant built from its source) on ``inp``, with the op's
     tiling and ``fill_empty=False`` unless ``launch_kw`` (the variant under test) says otherwise;
-    it returns the combined output, or the partials ``(out, lse)`` without the combine. The
-    partials are ``out_dtype`` (``mla_decode`` keeps its own in ``triton_kernels.partial_dtype``).
-    For the experiments' A/B runs: the op itself would always take the shipped defaults."""
+    it returns the combined output, or the partials ``(out, lse)`` without the combine. For the
+    experiments' A/B runs: the op itself would always take the shipped defaults."""
     from mla_ops import triton_kernels as tk
     from mla_ops import wgmma_decode as wd
     from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
@@ -422,7 +421,7 @@ def wgmma_call(
     )  # fmt: skip
     kw.update(launch_kw)
     launch = (module or wd).launch
-    out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), dtype=out_dtype, device=inp.q.device)
+    out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), device=inp.q.device)
     lse = torch.empty((b, s_q, h, num_splits), device=inp.q.device)
 
     def fn():
@@ -432,7 +431,7 @@ def wgmma_call(
         )  # fmt: skip
         if not with_combine:
             return out, lse
-        return tk.combine(out, lse, inp.q.dtype)[0]
+        return torch.ops.mla.combine(out, lse, inp.q.dtype)[0]
 
     return fn
 

@@ -102,12 +102,11 @@ def compile_wgmma(
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
-    longest_first: bool = False, one_scorer: bool = False, partial_dtype: str = "fp32",
+    longest_first: bool = False, one_scorer: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
-    by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
-    ``partial_dtype``: the element type of ``O_PART`` (``"bf16"``: 16-bit partials)."""
+    by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -170,9 +169,7 @@ def compile_wgmma(
             signature[name] = "*i32"
         elif name == "STAMP_BUF":
             signature[name] = "*i64"
-        elif name == "O_PART":
-            signature[name] = f"*{partial_dtype}"
-        elif name in ("LSE_PART", "LSE_OUT"):
+        elif name in ("O_PART", "LSE_PART", "LSE_OUT"):
             signature[name] = "*fp32"
         else:
             signature[name] = "fp32" if name in ("scale_log2", "kv_scale") else "i32"

@@ -874,20 +874,17 @@ def decode(
     config: DecodeConfig | None = None,
     fill_empty: bool = True,
     path: tuple[DecodeConfig, str | None] | None = None,
-    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only.
 
     fill_empty: write an empty split's zero ``out`` (False: only its ``lse = -inf``).
     path: ``_decode_path``'s answer when the caller has it already (``attention``).
-    out_dtype: dtype of the partial outputs (``attention`` keeps its own in ``partial_dtype``);
-    the LSEs stay float32.
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
     batch, s_q, heads, _ = q.shape
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
-    out = new_output((batch, s_q, heads, num_splits, kv_len), out_dtype, q.device)
+    out = new_output((batch, s_q, heads, num_splits, kv_len), torch.float32, q.device)
     lse = new_output((batch, s_q, heads, num_splits), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
@@ -994,17 +991,13 @@ def decode(
     return out, lse
 
 
-def combine_tiling(num_splits: int, kv_len: int, element_size: int = 4) -> tuple[int, int]:
+def combine_tiling(num_splits: int, kv_len: int) -> tuple[int, int]:
     """The combine kernel's ``(BLOCK_S, BLOCK_L)``: every split of a ``BLOCK_L``-column block of
-    one row per program (2 warps), about 16 KB of partials. Measured on an H100 against the
+    one row per program (2 warps), about 4096 partial values. Measured on an H100 against the
     former fixed 128 columns x 4 warps: 11-18 % faster with 64 splits and 2x with 1 split
-    (NOTES.md item 18). 16-bit partials (``element_size`` 2) take twice the columns: with 256,
-    Triton gives each warp its own splits (16-byte loads of 8 values x 32 lanes fill a row), the
-    sum over splits crosses warps, and (b)'s combine took 27 us instead of 11 (item 48)."""
+    (NOTES.md item 18)."""
     block_s = _next_pow2(num_splits, floor=2)
-    scale = max(1, 4 // element_size)
-    cols = min(256 * scale, 4096 * scale // block_s)
-    return block_s, min(_next_pow2(kv_len), max(32 * scale, cols))
+    return block_s, min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
 
 
 def combine(
@@ -1020,7 +1013,7 @@ def combine(
     o3 = out_partial.reshape(-1, num_splits, kv_len)
     l2 = lse_partial.reshape(-1, num_splits)
     out2 = out.view(-1, kv_len)
-    block_s, block_l = combine_tiling(num_splits, kv_len, out_partial.element_size())
+    block_s, block_l = combine_tiling(num_splits, kv_len)
     pdl = has_pdl(out.device)
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
@@ -1056,25 +1049,6 @@ def combine(
 # 40-sequence batch 159-160 against 153-154 us. The plan reads no lengths, so it cannot tell them
 # apart.
 MERGE_MAX_SPLITS = 2
-
-# Whether ``mla::attention`` keeps its partial outputs in q's dtype when q is 16-bit
-# (``partial_dtype``). An experiment switch; the op reads it at every call.
-PARTIALS_IN_Q_DTYPE = False
-
-
-def partial_dtype(q_dtype: torch.dtype) -> torch.dtype:
-    """dtype of the normalized partial outputs that ``attention`` stores between the decode and
-    the merge: q's for a 16-bit q (``PARTIALS_IN_Q_DTYPE``), else float32. The LSEs stay float32.
-
-    Why it is safe: a normalized partial is a convex combination of value rows, so it lies in
-    the value's range, which the output's dtype holds anyway; rounding it adds at most half an
-    ulp of that dtype before an float32 merge whose weights sum to 1. Why: the partials are the
-    only traffic besides the cache, and it is paid twice (stored by the decode, read by the
-    merge), at each multiprocessor's L2 rate (benchmarks/NOTES.md items 32 and 47)."""
-    if PARTIALS_IN_Q_DTYPE and q_dtype in (torch.bfloat16, torch.float16):
-        return q_dtype
-    return torch.float32
-
 
 # Arrival counters of the merging wgmma kernel, per (device index, stream): every launch leaves
 # them zero (the last arrival of a row block resets its count), so one zeroing at allocation
@@ -1140,25 +1114,19 @@ def attention(
     loads = path[1]
     merge, why = merge_path(loads, num_splits)
     LAST_LAUNCH["merge"] = ("decode kernel: " if merge else "mla::combine: ") + why
-    part_dtype = partial_dtype(q.dtype)
-    LAST_LAUNCH["partial_dtype"] = part_dtype
     if log.isEnabledFor(logging.DEBUG):
-        log.debug(
-            "mla::attention: splits merged by the %s; partials in %s", LAST_LAUNCH["merge"],
-            part_dtype,
-        )  # fmt: skip
+        log.debug("mla::attention: splits merged by the %s", LAST_LAUNCH["merge"])
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
             kv_scale, attn_mask, total_splits)  # fmt: skip
     if not merge:
-        partials = decode(*args, fill_empty=False, path=path, out_dtype=part_dtype)
-        return combine(*partials, q.dtype)
+        return combine(*decode(*args, fill_empty=False, path=path), q.dtype)
     out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
     lse = new_output((batch, s_q, heads), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     # Scratch for sequences in several chunks; with one split per sequence none is ever written.
     rows = (batch, s_q, heads) if num_splits > 1 else (1, 1, 1)
-    out_partial = torch.empty((*rows, num_splits, kv_len), dtype=part_dtype, device=q.device)
+    out_partial = torch.empty((*rows, num_splits, kv_len), dtype=torch.float32, device=q.device)
     lse_partial = torch.empty((*rows, num_splits), dtype=torch.float32, device=q.device)
     block_m, _ = wgmma_tiling(s_q * heads)
     arrivals = arrival_counters(q.device, batch * math.ceil(s_q * heads / block_m))

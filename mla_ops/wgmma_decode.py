@@ -85,9 +85,6 @@ _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_glo
 # The barrier of all threads executing the region (a partition's own under warp specialisation):
 # ``thread_barrier`` in Triton 3.6, ``barrier`` later.
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-# A shared-memory view as another dtype, shape and layout: ``_reinterpret`` in Triton 3.6,
-# ``reinterpret`` later (same arguments).
-_NAMED_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
@@ -335,8 +332,7 @@ def _merge_block_load(part_rows, offs_c, stride_od, read, c, CHUNK_L: gl.constex
     """Column block ``c`` of every split's partial rows: ``[MAX_SPLITS, CHUNK_L, BLOCK_M]``, read
     past L1 (``.cg``: from L2, never a stale L1 line)."""
     cols = gl.expand_dims(gl.expand_dims((c * CHUNK_L + offs_c) * stride_od, 1), 0)
-    part = gl.load(part_rows + cols, mask=read, other=0.0, cache_modifier=".cg")
-    return part.to(gl.float32)  # 16-bit partials (triton_kernels.partial_dtype) merge in float32
+    return gl.load(part_rows + cols, mask=read, other=0.0, cache_modifier=".cg")
 
 
 @gluon.jit
@@ -1464,15 +1460,14 @@ def _mla_decode_wgmma_kernel(
                         _assist_tiles,
                         (
                             KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, q_smem,
-                            p_smem,
-                            alpha_smem, ready, free, p_ready, p_free, done, bad_smem, O_PART,
-                            LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real, bad_before,
-                            start, end, n_tiles, kv_scale, stride_btb, stride_btp, NUM_PAGES,
-                            MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, stride_ob,
-                            stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls,
-                            stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
-                            stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q, H, PAGE_SIZE,
-                            NUM_STAGES, HAS_PE, L, R, CHUNK, MERGE, STAMPS,
+                            p_smem, alpha_smem, ready, free, p_ready, p_free, done, bad_smem,
+                            O_PART, LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real,
+                            bad_before, start, end, n_tiles, kv_scale, stride_btb, stride_btp,
+                            NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet,
+                            stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
+                            stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
+                            stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q, H,
+                            PAGE_SIZE, NUM_STAGES, HAS_PE, L, R, CHUNK, MERGE, STAMPS,
                         ),
                     ),
                 ],

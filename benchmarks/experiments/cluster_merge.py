@@ -22,7 +22,12 @@ sequence in one chunk and ragged plans are not handled. An instrument, not the o
 also times stamped builds and reports their last replay's phases (slots 10-13 of the stamp row:
 staged, ready, pushed, landed).
 
-    python benchmarks/experiments/cluster_merge.py --cases b --stamps --ctas 2,4 --out $OUT
+It patches the kernel as it was at commit 4c39e6d (NOTES.md item 47). Item 48 replaced the
+one-scorer epilogue that the patches edit, so pass that commit's source with ``--source``:
+
+    git show 4c39e6d:mla_ops/wgmma_decode.py > /tmp/wgmma_decode_4c39e6d.py
+    python benchmarks/experiments/cluster_merge.py --cases b --stamps --ctas 2,4 --out $OUT \
+        --source /tmp/wgmma_decode_4c39e6d.py
 """
 
 from __future__ import annotations
@@ -317,12 +322,20 @@ def ring_offset(kernel) -> int:
     return int(found[0])
 
 
-def build(land_off: int, ctas: int = 2):
-    """The variant's module, with ring slot 0 at ``land_off``, in clusters of ``ctas``."""
+def build(land_off: int, ctas: int = 2, kernel_source: str | None = None):
+    """The variant's module, with ring slot 0 at ``land_off``, in clusters of ``ctas``, patched
+    into ``kernel_source`` (default: the checked-out kernel's)."""
     name = f"cluster_merge_{land_off}_{ctas}"
     wb.VARIANTS[name] = [(PID_ORIGINAL, PID_PAIR if ctas == 2 else PID_QUAD), *PATCHES]
     source = wb.SOURCE
-    wb.SOURCE = source.replace("\nimport torch\n", "\nimport re\n\nimport torch\n", 1) + (
+    base = kernel_source if kernel_source is not None else source
+    if "def _output_half(" not in base:
+        raise SystemExit(
+            "cluster_merge patches the one-scorer epilogue of commit 4c39e6d, which this kernel "
+            "no longer has (NOTES.md item 48): pass --source with that commit's "
+            "mla_ops/wgmma_decode.py (see this file's docstring)"
+        )
+    wb.SOURCE = base.replace("\nimport torch\n", "\nimport re\n\nimport torch\n", 1) + (
         HELPERS.replace("__LAND_OFF__", str(land_off)).replace("__CTAS__", str(ctas))
     )
     try:
@@ -341,12 +354,16 @@ def main() -> None:
         help="also time stamped builds and report their last replay's phases",
     )  # fmt: skip
     ap.add_argument("--ctas", default="2", help="cluster sizes to time: 2 and/or 4")
+    ap.add_argument("--source", help="the kernel source to patch (commit 4c39e6d's)")
     args = ap.parse_args()
+    kernel_source = Path(args.source).read_text() if args.source else None
     shipped_launch, shipped_max = wgmma_decode.launch, tk.MERGE_MAX_SPLITS
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
-    variants = {int(c): build(args.land_off, int(c)) for c in args.ctas.split(",")}
+    variants = {
+        int(c): build(args.land_off, int(c), kernel_source) for c in args.ctas.split(",")
+    }  # fmt: skip
     for name in args.cases.split(","):
         case = bd.CASES[name]
         copies = bd.input_copies(case, props.L2_cache_size)

@@ -864,14 +864,18 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     merge or with it, less spill than the output half a thread holds (512 bytes; none under
     Triton 3.6). The merge reads the partials in 16-byte loads, 4 rows of 4 columns a thread, in
     a rolled loop (before NOTES.md item 45 it held 16 rows, unrolled, and spilled 1,912 bytes under
-    Triton 3.6)."""
+    Triton 3.6). Each warpgroup stores its float32 half from its accumulator, 8 bytes a store
+    (item 48: no hand-over through shared memory, no 16-byte stores from one warpgroup); only
+    final 16-bit rows, staged, go out 16 bytes a store."""
     from mla_ops import triton_kernels
 
     res = _offline_compile(
         f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); "
-        "r['cg_v4'] = ptx.count('ld.global.cg.v4'); r['cg'] = ptx.count('ld.global.cg'); print(r)"
+        "r['cg_v4'] = ptx.count('ld.global.cg.v4'); r['cg'] = ptx.count('ld.global.cg'); "
+        "r['st_v2'] = ptx.count('st.global.v2.b32'); r['st_v4'] = ptx.count('st.global.v4.b32'); "
+        "print(r)"
     )
     assert res["m64n64"] == 36 and res["m64n256"] == 8 and res["mma.sync"] == 0, res
     assert res["shared_bytes"] <= 232448, res
@@ -882,6 +886,8 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     # (unrolled, 256 loads in the code stalled the merge on instruction fetch).
     assert (res["cg_v4"] > 0) == merge and res["cg"] - res["cg_v4"] <= (16 if merge else 0), res
     assert res["cg_v4"] <= 64, res
+    # 2 warpgroups x 64 rows x 256 columns of float32, 2 values a store: 128 stores in the code.
+    assert res["st_v2"] >= 128 and (res["st_v4"] > 0) == merge, res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
