@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .planner import MIN_CHUNK, SPLIT_GRANULE, log, rows_per_program
+from .planner import MIN_CHUNK, SPLIT_GRANULE, log, multiprocessor_count, rows_per_program
 from .reference import MASK_HIDDEN, accumulation_dtype
 
 
@@ -991,13 +991,36 @@ def decode(
     return out, lse
 
 
-def combine_tiling(num_splits: int, kv_len: int) -> tuple[int, int]:
+def combine_tiling(
+    num_splits: int, kv_len: int, rows: int = 0, multiprocessors: int = 0
+) -> tuple[int, int]:
     """The combine kernel's ``(BLOCK_S, BLOCK_L)``: every split of a ``BLOCK_L``-column block of
     one row per program (2 warps), about 4096 partial values. Measured on an H100 against the
     former fixed 128 columns x 4 warps: 11-18 % faster with 64 splits and 2x with 1 split
-    (NOTES.md item 18)."""
+    (NOTES.md item 18).
+
+    Where the 256-column cap, not the 4096 values, set the width (up to 8 splits), twice the
+    columns (at most 512) if ``rows`` leave every one of ``multiprocessors`` at least
+    ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs even so: inside a call, where the combine follows
+    the decode's last programs, (b)'s 4096 rows of 4 splits took 1.4 us less in 512-column
+    programs than in 256, while (e)'s 1024 rows took 0.4 us more (item 50)."""
     block_s = _next_pow2(num_splits, floor=2)
-    return block_s, min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
+    block_l = min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
+    wide = min(2 * block_l, 512, _next_pow2(kv_len))
+    programs = rows * -(-kv_len // wide)
+    if (
+        wide > block_l
+        and block_s * wide <= 4096
+        and programs >= COMBINE_WIDE_PROGRAMS_PER_SM * multiprocessors > 0
+    ):
+        block_l = wide
+    return block_s, block_l
+
+
+# Programs per multiprocessor that the combine keeps when it widens its column blocks
+# (combine_tiling): (b)'s 4096 wide programs on 132 multiprocessors (31 each) gained, (e)'s 1024
+# (7.8 each) lost (NOTES.md item 50).
+COMBINE_WIDE_PROGRAMS_PER_SM = 16
 
 
 def combine(
@@ -1013,7 +1036,13 @@ def combine(
     o3 = out_partial.reshape(-1, num_splits, kv_len)
     l2 = lse_partial.reshape(-1, num_splits)
     out2 = out.view(-1, kv_len)
-    block_s, block_l = combine_tiling(num_splits, kv_len)
+    sms = 0
+    if out.is_cuda:
+        sms = multiprocessor_count(
+            out.device.index if out.device.index is not None else torch.cuda.current_device()
+        )
+    block_s, block_l = combine_tiling(num_splits, kv_len, o3.shape[0], sms)
+    LAST_LAUNCH["combine_tiling"] = (block_s, block_l)
     pdl = has_pdl(out.device)
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](

@@ -112,6 +112,42 @@ def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
+def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
+    """Twice the columns (at most 512, never past the row, at most 4096 values a program) only
+    where the rows still give every multiprocessor ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs: case
+    (b)'s 4096 rows of 4 splits on 132 multiprocessors, not (e)'s 1024, not 64 splits, and never
+    without a device count (NOTES.md item 50)."""
+    from mla_ops import triton_kernels as tk
+
+    assert tk.combine_tiling(4, 512) == (4, 256)
+    assert tk.combine_tiling(4, 512, rows=4096, multiprocessors=132) == (4, 512)
+    assert tk.combine_tiling(4, 512, rows=1024, multiprocessors=132) == (4, 256)
+    assert tk.combine_tiling(64, 512, rows=128, multiprocessors=132) == (64, 64)
+    assert tk.combine_tiling(64, 512, rows=10**6, multiprocessors=132) == (64, 64)
+    assert tk.combine_tiling(8, 512, rows=10**6, multiprocessors=132) == (8, 512)
+    assert tk.combine_tiling(16, 512, rows=10**6, multiprocessors=132) == (16, 256)
+    assert tk.combine_tiling(2, 24, rows=10**6, multiprocessors=1) == (2, 32)
+    assert tk.combine_tiling(1, 512, rows=10**6, multiprocessors=1) == (2, 512)
+
+
+@pytest.mark.parametrize("num_splits", [2, 4])
+def test_combine_kernel_wide_column_blocks(kernels, monkeypatch, num_splits: int) -> None:
+    """The combine kernel in 512-column programs (the widened tiling) against the float64 merge,
+    a masked column block included (width 600)."""
+    from tests.mla_ops.test_combine import merge64
+
+    monkeypatch.setattr(kernels, "combine_tiling", lambda splits, width, *_: (num_splits, 512))
+    gen = torch.Generator().manual_seed(num_splits)
+    out_p = torch.randn(2, 3, num_splits, 600, generator=gen).to(DEVICE)
+    lse_p = (torch.randn(2, 3, num_splits, generator=gen) * 4).to(DEVICE)
+    lse_p[1, :, 1] = float("-inf")  # an empty split; its partial must not be read
+    out_p[1, :, 1] = float("nan")
+    out, lse = kernels.combine(out_p, lse_p, torch.float32)
+    ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
+    torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
 def run_kernels(kernels, case):
     out_p, lse_p = kernels.decode(*case.op_args())
     return kernels.combine(out_p, lse_p, case.q.dtype)
