@@ -107,10 +107,11 @@ def longest_first_order(
     return torch.tensor(order, dtype=torch.long).view(-1, 2)
 
 
-def multiprocessor_count(device_index: int) -> int:
-    """Streaming multiprocessors of CUDA device ``device_index``."""
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (no index: the current device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
     # torch caches device properties; no functools.cache here, which dynamo would warn about.
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def rows_per_program(query_rows: int) -> int:
@@ -170,8 +171,7 @@ def plan_splits(
             )
         batch_size = SYMBOLIC_BATCH_ASSUMPTION
     batch_size = max(1, batch_size)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = multiprocessor_count(index)
+    sms = multiprocessor_count(device)
     programs_per_split = batch_size * math.ceil(query_rows / rows_per_program(query_rows))
     # As many chunks as fill one wave of resident programs, and no more: a partial second wave
     # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).

@@ -991,6 +991,12 @@ def decode(
     return out, lse
 
 
+# Programs per multiprocessor that the combine keeps when it widens its column blocks
+# (combine_tiling): (b)'s 4096 wide programs on 132 multiprocessors (31 each) gained, (e)'s 1024
+# (7.8 each) lost (NOTES.md item 50).
+COMBINE_WIDE_PROGRAMS_PER_SM = 16
+
+
 def combine_tiling(
     num_splits: int, kv_len: int, rows: int = 0, multiprocessors: int = 0
 ) -> tuple[int, int]:
@@ -1011,16 +1017,11 @@ def combine_tiling(
     if (
         wide > block_l
         and block_s * wide <= 4096
-        and programs >= COMBINE_WIDE_PROGRAMS_PER_SM * multiprocessors > 0
+        and multiprocessors > 0
+        and programs >= COMBINE_WIDE_PROGRAMS_PER_SM * multiprocessors
     ):
         block_l = wide
     return block_s, block_l
-
-
-# Programs per multiprocessor that the combine keeps when it widens its column blocks
-# (combine_tiling): (b)'s 4096 wide programs on 132 multiprocessors (31 each) gained, (e)'s 1024
-# (7.8 each) lost (NOTES.md item 50).
-COMBINE_WIDE_PROGRAMS_PER_SM = 16
 
 
 def combine(
@@ -1036,11 +1037,7 @@ def combine(
     o3 = out_partial.reshape(-1, num_splits, kv_len)
     l2 = lse_partial.reshape(-1, num_splits)
     out2 = out.view(-1, kv_len)
-    sms = 0
-    if out.is_cuda:
-        sms = multiprocessor_count(
-            out.device.index if out.device.index is not None else torch.cuda.current_device()
-        )
+    sms = multiprocessor_count(out.device) if out.is_cuda else 0
     block_s, block_l = combine_tiling(num_splits, kv_len, o3.shape[0], sms)
     LAST_LAUNCH["combine_tiling"] = (block_s, block_l)
     pdl = has_pdl(out.device)

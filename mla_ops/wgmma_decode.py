@@ -221,6 +221,17 @@ def _longest_first(
 
 
 @gluon.jit
+def _row_lse(m_i, l_i, poisoned):
+    """Rows' LSE (natural log) from the running max ``m_i`` (log2 domain) and sum ``l_i``:
+    ``-inf`` for a row with no visible key, NaN where ``poisoned`` (a token at an invalid cache
+    location was never read: the whole split's rows are NaN); and ``l_i`` safe to divide by."""
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
+    return gl.where(poisoned, float("nan"), lse), l_safe
+
+
+@gluon.jit
 def _store_partial_t(
     O_PART, LSE_PART, out_t, lse, b64, s_idx, h_idx, split, offs_l, row_ok,
     stride_ob, stride_os, stride_oh, stride_ok, stride_od,
@@ -945,8 +956,7 @@ def _store_output_half(
     h_idx = rows % H
     cols = COL0 + gl.arange(0, L // 2, layout=gl.SliceLayout(0, o_layout))
     l_i = gl.convert_layout(l_i, row_layout)
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
+    lse, l_safe = _row_lse(gl.convert_layout(m_i, row_layout), l_i, poisoned)
     out = o * (kv_scale / l_safe)[:, None]
     out = gl.where(poisoned, float("nan"), out)
     # The condition spelled out in each if: held in a variable, its constant False (no MERGE)
@@ -966,9 +976,6 @@ def _store_output_half(
         part_rows += (s_idx * stride_os + h_idx * stride_oh)[:, None]
         gl.store(part_rows + cols[None, :] * stride_od, out, mask=row_ok[:, None])
     if WITH_LSE:
-        m_i = gl.convert_layout(m_i, row_layout)
-        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)
-        lse = gl.where(poisoned, float("nan"), lse)
         if MERGE and n_real == 1:
             lse_ptrs = LSE_OUT + b64 * stride_gb + s_idx * stride_gs + h_idx * stride_gh
         else:
@@ -1512,11 +1519,7 @@ def _mla_decode_wgmma_kernel(
         n_bad = gl.sum(n_bad, 0)
         l_st = gl.convert_layout(l_i, gl.SliceLayout(0, st_layout))
         m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
-        empty = l_st == 0.0
-        l_safe = gl.where(empty, 1.0, l_st)
-        lse = gl.where(empty, float("-inf"), (m_st + gl.log2(l_safe)) * 0.6931471805599453)
-        # A token at an invalid cache location was never read: the whole split's rows are NaN.
-        lse = gl.where(n_bad > 0, float("nan"), lse)
+        lse, l_safe = _row_lse(m_st, l_st, n_bad > 0)
         # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
         out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
         out_t = gl.where(n_bad > 0, float("nan"), out_t)

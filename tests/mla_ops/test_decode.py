@@ -247,7 +247,7 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
 def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) -> None:
     from mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
     assert planner.plan_splits(batch, rows, capacity, device) == expected
     assert planner.plan_splits(batch, rows, capacity, torch.device("cpu")) == (1, None)
@@ -265,7 +265,7 @@ def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected
     """The Gluon wgmma kernel keeps one program per multiprocessor: half the Triton kernel's."""
     from mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
     assert planner.plan_splits(batch, 16, capacity, device, wgmma=True) == expected
 
@@ -276,7 +276,7 @@ def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
 
     from mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda index: 132)
+    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     batch = ShapeEnv().create_unbacked_symint()
     plan = planner.plan_splits(batch, 16, None, torch.device("cuda", 0))
     assert plan == (264 // planner.SYMBOLIC_BATCH_ASSUMPTION, None)

@@ -130,6 +130,26 @@ def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
     assert tk.combine_tiling(1, 512, rows=10**6, multiprocessors=1) == (2, 512)
 
 
+def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
+    """``combine`` hands the tiling rule its row count and, on CUDA, the device's multiprocessor
+    count (0 elsewhere, which keeps the base tiling), and records the tiling it ran."""
+    from mla_ops import planner
+
+    seen = []
+    rule = kernels.combine_tiling
+
+    def recording(*args):
+        seen.append(args)
+        return rule(*args)
+
+    monkeypatch.setattr(kernels, "combine_tiling", recording)
+    out_p = torch.randn(3, 5, 4, 40, device=DEVICE)
+    kernels.combine(out_p, torch.randn(3, 5, 4, device=DEVICE), torch.float32)
+    sms = planner.multiprocessor_count(out_p.device) if HAS_CUDA else 0
+    assert seen == [(4, 40, 15, sms)]
+    assert kernels.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms)
+
+
 @pytest.mark.parametrize("num_splits", [2, 4])
 def test_combine_kernel_wide_column_blocks(kernels, monkeypatch, num_splits: int) -> None:
     """The combine kernel in 512-column programs (the widened tiling) against the float64 merge,
