@@ -1145,25 +1145,6 @@ def _assist_tiles(
 
 
 @gluon.jit
-def _pe_tile(
-    PE, where, tile_start, end, stride_pep, stride_pet, NUM_PAGES, PAGE_SIZE: gl.constexpr,
-    BLOCK_N: gl.constexpr, R: gl.constexpr, layout: gl.constexpr,
-):  # fmt: skip
-    """``k_pe`` of the tile at ``tile_start``, located at cache row ``where`` (``_locate_tile``:
-    copy-engine tiling, one page), straight from global memory into registers in ``layout`` (the
-    RoPE scores' wgmma A operand); zeros for rows at or past ``end`` and for an invalid page id
-    (``_locate_tile`` counts those). ``stride_pep``/``stride_pet`` count 16-byte units. Nothing
-    is read for a tile at or past ``end``."""
-    VEC: gl.constexpr = 128 // PE.dtype.element_ty.primitive_bitwidth
-    page = where // PAGE_SIZE
-    pos = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, R, layout=gl.SliceLayout(0, layout))
-    row = (page.to(gl.int64) * stride_pep + (where % PAGE_SIZE + pos) * stride_pet) * VEC
-    keep = ((tile_start + pos < end) & (page < NUM_PAGES))[:, None] & (cols < R)[None, :]
-    return gl.load(PE + row[:, None] + cols[None, :], mask=keep, other=0.0)
-
-
-@gluon.jit
 def _copy_kv_tile(KV_DESC, kv_ring, ready, slot, where):
     """Start the copy engine's fill of ring slot ``slot`` with the ``kv_c`` tile at cache row
     ``where`` (``_locate_tile``), counted in bytes on the slot's barrier (no ``k_pe``)."""
@@ -1172,9 +1153,18 @@ def _copy_kv_tile(KV_DESC, kv_ring, ready, slot, where):
 
 
 @gluon.jit
+def _copy_pe_tile(PE_DESC, pe_slot, pe_ready, w, where):
+    """Start the copy engine's fill of the shared ``k_pe`` slot with the tile at cache row
+    ``where``, counted on warpgroup ``w``'s barrier ``pe_ready[w]`` (the warpgroup whose tile it
+    is)."""
+    mbarrier.expect(pe_ready.index(w), PE_DESC.block_type.nbytes)
+    _tma_load(PE_DESC, [where, 0], pe_ready.index(w), pe_slot)
+
+
+@gluon.jit
 def _alternate_loop(
-    W: gl.constexpr, KV_DESC, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs, ready,
-    where, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
+    W: gl.constexpr, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs,
+    pe_slot, ready, pe_ready, where, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
     MAX_PAGES, stride_pep, stride_pet, scale_log2, nope_scale, STAMP_ROW, S_Q: gl.constexpr,
     H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, CHUNK: gl.constexpr,
@@ -1193,7 +1183,6 @@ def _alternate_loop(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
     )
     o_layout: gl.constexpr = s_layout
-    pe_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     conv_layout: gl.constexpr = _copy_layouts(4, True)[1]
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(0, s_layout)
@@ -1214,11 +1203,6 @@ def _alternate_loop(
         MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
     )  # fmt: skip
     n_bad += bad
-    if HAS_PE:
-        k_pe = _pe_tile(
-            PE, where, start + W * BLOCK_N, end, stride_pep, stride_pet, NUM_PAGES, PAGE_SIZE,
-            BLOCK_N, R, pe_layout,
-        )  # fmt: skip
     for i in range(W, n_tiles, 2):
         tile_start = start + i * BLOCK_N
         # W again, as a value the compiler cannot see through: the staging tile's wgmma
@@ -1237,13 +1221,13 @@ def _alternate_loop(
             MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
         )  # fmt: skip
         n_bad += bad
-        mbarrier.wait(ready.index(W), (i // 2) & 1)
         if HAS_PE:
-            # The RoPE scores need no conversion: the tensor cores run them while the warps
-            # convert.
-            s_pe = warpgroup_mma(
-                k_pe, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
+            # The other warpgroup's next tile: its k_pe follows this tile's in the shared slot.
+            where_other, _ = _locate_tile(
+                BLOCK_TABLE, b64, tile_start + BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
+                MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
+            )  # fmt: skip
+        mbarrier.wait(ready.index(W), (i // 2) & 1)
         for c in gl.static_range(0, L, CHUNK):
             _convert_chunk(kv, stage, c, tile_start, end, CHUNK, conv_layout)
         fence_async_shared()
@@ -1253,14 +1237,17 @@ def _alternate_loop(
         if i + 2 < n_tiles:
             _copy_kv_tile(KV_DESC, kv_ring, ready, W, where_next)
         if HAS_PE:
+            # This tile's k_pe, copied once the other warpgroup's tile before had read the slot.
+            mbarrier.wait(pe_ready.index(W), (i // 2) & 1)
+            s_pe = warpgroup_mma(
+                pe_slot, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
             s_t, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, s_pe))
+            # Every warp's RoPE scores read the slot: the next tile's k_pe may land in it.
+            _thread_barrier()
+            if i + 1 < n_tiles:
+                _copy_pe_tile(PE_DESC, pe_slot, pe_ready, 1 - W, where_other)
             s_t = s_t * nope_scale + s_pe
-            # The next tile's k_pe (its page known a tile ahead), in flight under this tile's
-            # softmax and P.V.
-            k_pe = _pe_tile(
-                PE, where_next, tile_start + 2 * BLOCK_N, end, stride_pep, stride_pet, NUM_PAGES,
-                PAGE_SIZE, BLOCK_N, R, pe_layout,
-            )  # fmt: skip
         else:
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s_t = s_t * nope_scale
@@ -1280,8 +1267,8 @@ def _alternate_loop(
 
 @gluon.jit
 def _alternate_tiles(
-    W: gl.constexpr, Q, KV_DESC, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs,
-    scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64, row_block, seqlen,
+    W: gl.constexpr, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs,
+    pe_slot, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64, row_block, seqlen,
     start, end, n_tiles, stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp,
     NUM_PAGES, MAX_PAGES, stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW,
     S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
@@ -1314,6 +1301,8 @@ def _alternate_tiles(
     )  # fmt: skip
     if W < n_tiles:
         _copy_kv_tile(KV_DESC, kv_ring, ready, W, where)
+    if HAS_PE and W == 0:
+        _copy_pe_tile(PE_DESC, pe_slot, pe_ready, 0, where)
     if W == 0:
         nope_scale = _store_query(q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, True)
         scale_hand.store(gl.zeros([BLOCK_M], gl.float32, layout=row_layout) + nope_scale)
@@ -1324,8 +1313,8 @@ def _alternate_tiles(
         mbarrier.wait(q_ready, 0)
         nope_scale = gl.max(scale_hand.load(row_layout), 0)
     o_t, m_i, l_i, n_bad = _alternate_loop(
-        W, KV_DESC, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs, ready, where,
-        n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
+        W, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs, pe_slot,
+        ready, pe_ready, where, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
         MAX_PAGES, stride_pep, stride_pet, scale_log2, nope_scale, STAMP_ROW, S_Q, H, L, R,
         PAGE_SIZE, BLOCK_M, CAUSAL, HAS_PE, CHUNK, STAMPS,
     )  # fmt: skip
@@ -1580,9 +1569,9 @@ def _mla_decode_wgmma_kernel(
             q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
         )
         if ALTERNATE:
-            # k_pe goes from global memory into registers (_pe_tile): two staging tiles leave
-            # no room for it in the ring.
-            pe_ring = kv_ring
+            # One k_pe slot shared by the two warpgroups' tiles in turn: two staging tiles leave
+            # no room for k_pe in each ring slot.
+            pe_ring = gl.allocate_shared_memory(q_dtype, [BLOCK_N, R], PE_DESC.layout)
         elif GATHER:
             pe_ring = gl.allocate_shared_memory(
                 q_dtype, [NUM_STAGES, BLOCK_N, R],
@@ -1690,6 +1679,10 @@ def _mla_decode_wgmma_kernel(
         handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
         mbarrier.init(handed, count=1)
+        # pe_ready[w]: the shared k_pe slot holds warpgroup w's tile.
+        pe_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for w in gl.static_range(2):
+            mbarrier.init(pe_ready.index(w), count=1)
         # What the epilogue needs of this program's place (sequence, split, its chunks), parked
         # in shared memory across the partitions: held in warpgroup 0's registers through its
         # loop they spilled (NOTES.md item 51).
@@ -1705,8 +1698,8 @@ def _mla_decode_wgmma_kernel(
                 (
                     _alternate_tiles,
                     (
-                        0, Q, KV_DESC, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage, p_smem,
-                        scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
+                        0, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage,
+                        p_smem, pe_ring, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
                         row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
                         stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_pep,
                         stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R, PAGE_SIZE,
@@ -1716,8 +1709,8 @@ def _mla_decode_wgmma_kernel(
                 (
                     _alternate_tiles,
                     (
-                        1, Q, KV_DESC, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage, p_smem,
-                        scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
+                        1, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage,
+                        p_smem, pe_ring, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
                         row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
                         stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_pep,
                         stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R, PAGE_SIZE,
@@ -1734,6 +1727,8 @@ def _mla_decode_wgmma_kernel(
         n_bad = bad_hand.load(gl.SliceLayout(1, gather_layout))
         mbarrier.invalidate(q_ready)
         mbarrier.invalidate(handed)
+        for w in gl.static_range(2):
+            mbarrier.invalidate(pe_ready.index(w))
         ids = ids_smem.load(id_layout)
         b = gl.sum(gl.where(offs_id == 0, ids, 0), 0)
         split = gl.sum(gl.where(offs_id == 1, ids, 0), 0)
