@@ -412,16 +412,13 @@ def wgmma_call(
     float8 = kv_c.dtype == torch.float8_e4m3fn
     gather = launch_kw.get("gather", kv_c.shape[1] % wd.BLOCK_N != 0)
     one_scorer = launch_kw.get("one_scorer", wd.default_one_scorer(block_m, float8, gather))
-    alternate = launch_kw.get("alternate", wd.default_alternate(block_m, float8, gather))
     smem = tk.shared_memory_optin(inp.q.device)
     kw = dict(
         block_m=block_m, num_warps=4 if one_scorer else warps, one_scorer=one_scorer,
         num_stages=tk.wgmma_stages(block_m, kv_c.shape[-1], k_pe.shape[-1], float8, smem),
         min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
-        gather=gather, fill_empty=False, alternate=alternate,
+        gather=gather, fill_empty=False,
     )  # fmt: skip
-    if alternate:
-        kw.update(num_stages=2, producer_warps=0)
     kw.update(launch_kw)
     launch = (module or wd).launch
     out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), device=inp.q.device)
@@ -534,10 +531,7 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
     loop = None  # the wgmma kernel's loop (wgmma_decode's module docstring)
     if kernel == "wgmma":
         one_scorer, on_m = tk.LAST_LAUNCH["wgmma_one_scorer"], tk.LAST_LAUNCH["wgmma_rows_on_m"]
-        loop = (
-            "one-scorer" if one_scorer else "alternate-tile" if tk.LAST_LAUNCH["wgmma_alternate"]
-            else "rows-on-M" if on_m else "transposed"
-        )  # fmt: skip
+        loop = "one-scorer" if one_scorer else "rows-on-M" if on_m else "transposed"
     t_alone = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:

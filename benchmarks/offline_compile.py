@@ -102,7 +102,7 @@ def compile_wgmma(
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
-    longest_first: bool = False, one_scorer: bool = False, alternate: bool = False,
+    longest_first: bool = False, one_scorer: bool = False,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
@@ -129,8 +129,7 @@ def compile_wgmma(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
         ),
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
-        ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS,
-        ALTERNATE=alternate, ALTERNATE_REGS=wd.ALTERNATE_REGS, MERGE=merge,
+        ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS, MERGE=merge,
         MERGE_SPLITS=4 if merge else 1, STAMPS=stamps, LONGEST_FIRST=longest_first,
         num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,

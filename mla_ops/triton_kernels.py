@@ -597,33 +597,28 @@ def wgmma_tiling(query_rows: int) -> tuple[int, int]:
 
 
 def wgmma_shared_memory(
-    block_m: int,
-    kv_len: int,
-    rope_len: int,
-    num_stages: int = 2,
-    float8: bool = False,
-    alternate: bool = False,
+    block_m: int, kv_len: int, rope_len: int, num_stages: int = 2, float8: bool = False
 ) -> int:
     """Upper bound on the wgmma kernel's shared memory in bytes: the 16-bit query block, the KV
     ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. ``float8``: kv_c
     in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into. 64 rows,
     L=512, R=64, 16-bit: 231424 (the offline sm_90 compile allocates 230416; an H100 allows
-    232448). ``alternate`` (``wgmma_decode.default_alternate``): two staging tiles and two
-    ``P^T``, and no ``k_pe`` in the ring (16 rows, L=512, R=64: 221184; the compile allocates
-    220092)."""
+    232448)."""
     from .wgmma_decode import BLOCK_N
 
-    copies = 2 if alternate else 1
-    ring_row = kv_len * (1 if float8 else 2) + (0 if alternate else 2 * rope_len)
-    staging = copies * 2 * BLOCK_N * kv_len if float8 else 0
+    ring_row = kv_len * (1 if float8 else 2) + 2 * rope_len
+    staging = 2 * BLOCK_N * kv_len if float8 else 0
     query = 2 * block_m * (kv_len + rope_len)
-    p_t = copies * 2 * BLOCK_N * block_m
-    return query + num_stages * BLOCK_N * ring_row + staging + p_t + 2048
+    return query + num_stages * BLOCK_N * ring_row + staging + 2 * BLOCK_N * block_m + 2048
 
 
 def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_memory: int) -> int:
     """Ring slots of the wgmma kernel: three where they fit in ``shared_memory`` (a float8 cache
-    at 16 or 32 rows), else two (the fewest its pipeline takes)."""
+    at 32 rows), else two (the fewest its pipeline takes). 16-row programs take two: over a
+    float8 cache three were 1-2 % slower on an H100 in three runs (a8, d8; NOTES.md item 51),
+    their loop being bound by the math, not by the bytes in flight."""
+    if block_m <= 16:
+        return 2
     fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory
     return 3 if fits else 2
 
@@ -836,20 +831,12 @@ def _launch_wgmma(
     block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
     float8 = kv_c.dtype == torch.float8_e4m3fn
     gather = loads == "gather"
-    have = shared_memory_optin(q.device)
-    stages = wgmma_stages(block_m, kv_len, rope_len, float8, have)
+    stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
     one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
-    alternate = wgmma_decode.default_alternate(block_m, float8, gather) and (
-        wgmma_shared_memory(block_m, kv_len, rope_len, 2, float8, alternate=True) <= have
-    )
     LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
-    LAST_LAUNCH["wgmma_alternate"] = alternate
     if one_scorer:
         # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
         num_warps, producer_warps, rows_on_m = 4, 0, False
-    elif alternate:
-        # Each of the two warpgroups copies its own tiles into its own of the two ring slots.
-        stages, producer_warps, rows_on_m = 2, 0, False
     else:
         producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
         rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
@@ -860,10 +847,7 @@ def _launch_wgmma(
     )
     LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
     if log.isEnabledFor(logging.DEBUG):
-        loop = (
-            "one-scorer" if one_scorer else "alternate-tile" if alternate
-            else "rows-on-M" if rows_on_m else "transposed"
-        )  # fmt: skip
+        loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
         log.debug(
             "mla::decode wgmma: %d-row %s programs (%s loads, %s cache), %s",
             block_m, loop, loads, kv_c.dtype, LAST_LAUNCH["wgmma_order"],
@@ -875,7 +859,7 @@ def _launch_wgmma(
             num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
             lengths_per_step=LENGTHS_PER_STEP, gather=gather, fill_empty=fill_empty,
             producer_warps=producer_warps, rows_on_m=rows_on_m, one_scorer=one_scorer,
-            alternate=alternate, merge_into=merge_into, longest_first=longest_first,
+            merge_into=merge_into, longest_first=longest_first,
         )  # fmt: skip
 
 

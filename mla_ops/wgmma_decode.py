@@ -1145,223 +1145,6 @@ def _assist_tiles(
 
 
 @gluon.jit
-def _copy_kv_tile(KV_DESC, kv_ring, ready, slot, where):
-    """Start the copy engine's fill of ring slot ``slot`` with the ``kv_c`` tile at cache row
-    ``where`` (``_locate_tile``), counted in bytes on the slot's barrier (no ``k_pe``)."""
-    mbarrier.expect(ready.index(slot), KV_DESC.block_type.nbytes)
-    _tma_load(KV_DESC, [where, 0], ready.index(slot), kv_ring.index(slot))
-
-
-@gluon.jit
-def _copy_pe_tile(PE_DESC, pe_slot, pe_ready, w, where):
-    """Start the copy engine's fill of the shared ``k_pe`` slot with the tile at cache row
-    ``where``, counted on warpgroup ``w``'s barrier ``pe_ready[w]`` (the warpgroup whose tile it
-    is)."""
-    mbarrier.expect(pe_ready.index(w), PE_DESC.block_type.nbytes)
-    _tma_load(PE_DESC, [where, 0], pe_ready.index(w), pe_slot)
-
-
-@gluon.jit
-def _alternate_loop(
-    W: gl.constexpr, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs,
-    pe_slot, ready, pe_ready, where, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
-    MAX_PAGES, stride_pep, stride_pet, scale_log2, nope_scale, STAMP_ROW, S_Q: gl.constexpr,
-    H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
-    BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr, CHUNK: gl.constexpr,
-    STAMPS: gl.constexpr,
-):  # fmt: skip
-    """One math warpgroup of an alternate-tile program (``ALTERNATE``): tiles ``W, W + 2, ...``
-    of the split, all in ring slot ``W`` (two slots, one per warpgroup; tile ``W``, located at
-    ``where``, was copied by the caller). Each tile is converted to fp16 into the warpgroup's
-    own staging tile ``stages[W]``, after which this warpgroup starts its next tile's copy into
-    the slot; scored with its ``k_pe`` from registers (``_pe_tile``, loaded a tile ahead); then
-    the online softmax and P.V. Returns this warpgroup's ``O^T``, running max and row sums over
-    its tiles, and ``n_bad`` plus its tiles' count of invalid page ids."""
-    BLOCK_N: gl.constexpr = kv_ring.shape[1]
-    dtype: gl.constexpr = q_smem.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    o_layout: gl.constexpr = s_layout
-    conv_layout: gl.constexpr = _copy_layouts(4, True)[1]
-    last_key, m_i = _row_start(
-        row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(0, s_layout)
-    )
-    # Per-thread partial row sums, summed once after the loop (as _consume_tiles' float8 loop).
-    l_i = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
-    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-    kv = kv_ring.index(W)
-    stage = stages.index(W)
-    p_smem = p_bufs.index(W)
-    q_t = q_smem.permute((1, 0))
-    # Lookups a tile ahead: the caller located tile W (at ``where``) and copied it; tile
-    # W + 2's page now.
-    where_next, bad = _locate_tile(
-        BLOCK_TABLE, b64, start + (W + 2) * BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
-        MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
-    )  # fmt: skip
-    n_bad += bad
-    for i in range(W, n_tiles, 2):
-        tile_start = start + i * BLOCK_N
-        # W again, as a value the compiler cannot see through: the staging tile's wgmma
-        # descriptors are then formed in the loop, as a ring slot's are, rather than all 64
-        # hoisted out of it, where they spilled (NOTES.md item 51).
-        w = gl.inline_asm_elementwise(
-            "mov.u32 $0, 0; // $1", "=r,r", [i], dtype=gl.int32, is_pure=False, pack=1
-        ) + W
-        kv = kv_ring.index(w)
-        stage = stages.index(w)
-        p_smem = p_bufs.index(w)
-        # The page of this warpgroup's tile after next, and its next tile's k_pe: issued before
-        # the wait, they have a whole tile to land.
-        where_after, bad = _locate_tile(
-            BLOCK_TABLE, b64, tile_start + 4 * BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
-            MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
-        )  # fmt: skip
-        n_bad += bad
-        if HAS_PE:
-            # The other warpgroup's next tile: its k_pe follows this tile's in the shared slot.
-            where_other, _ = _locate_tile(
-                BLOCK_TABLE, b64, tile_start + BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
-                MAX_PAGES, PAGE_SIZE, BLOCK_N, False, conv_layout,
-            )  # fmt: skip
-        mbarrier.wait(ready.index(W), (i // 2) & 1)
-        for c in gl.static_range(0, L, CHUNK):
-            _convert_chunk(kv, stage, c, tile_start, end, CHUNK, conv_layout)
-        fence_async_shared()
-        s_t = warpgroup_mma(stage, q_t, s_zero, use_acc=False, is_async=True)
-        # Every thread's reads of the slot are done: this warpgroup's next tile may land in it.
-        _thread_barrier()
-        if i + 2 < n_tiles:
-            _copy_kv_tile(KV_DESC, kv_ring, ready, W, where_next)
-        if HAS_PE:
-            # This tile's k_pe, copied once the other warpgroup's tile before had read the slot.
-            mbarrier.wait(pe_ready.index(W), (i // 2) & 1)
-            s_pe = warpgroup_mma(
-                pe_slot, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
-            )
-            s_t, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, s_pe))
-            # Every warp's RoPE scores read the slot: the next tile's k_pe may land in it.
-            _thread_barrier()
-            if i + 1 < n_tiles:
-                _copy_pe_tile(PE_DESC, pe_slot, pe_ready, 1 - W, where_other)
-            s_t = s_t * nope_scale + s_pe
-        else:
-            s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-            s_t = s_t * nope_scale
-        where_next = where_after
-        if i == 0:
-            _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
-        p_t, m_i, l_i, alpha = _online_softmax(
-            s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
-        )
-        o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        p_smem.store(p_t.to(dtype))
-        fence_async_shared()
-        o_t = warpgroup_mma(stage.permute((1, 0)), p_smem, o_t, is_async=True)
-        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
-    return o_t, m_i, gl.sum(l_i, 0), n_bad
-
-
-@gluon.jit
-def _alternate_tiles(
-    W: gl.constexpr, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs,
-    pe_slot, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64, row_block, seqlen,
-    start, end, n_tiles, stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp,
-    NUM_PAGES, MAX_PAGES, stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW,
-    S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
-    CHUNK: gl.constexpr, STAMPS: gl.constexpr,
-):  # fmt: skip
-    """Math warpgroup ``W`` of an alternate-tile program (a partition of its own). Warpgroup 0:
-    the query's loads, tile 0's copy, the query into shared memory and its nope scale into
-    ``scale_hand`` for warpgroup 1 (``q_ready``); warpgroup 1: tile 1's copy, then the query's
-    arrival. Both: their tiles (``_alternate_loop``). Then warpgroup 1 hands its state to
-    warpgroup 0 (``handed``: ``O^T`` in its staging tile, max, sums and invalid-page count in
-    ``max_hand``, ``sum_hand``, ``bad_hand``), which merges both into its own staging tile and
-    those buffers, for the kernel's epilogue after the partitions."""
-    BLOCK_N: gl.constexpr = kv_ring.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_M, 16]
-    )
-    row_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    io_layout: gl.constexpr = _copy_layouts(4, True)[0]
-    bad_layout: gl.constexpr = gl.SliceLayout(1, _copy_layouts(4, True)[2])
-    if W == 0:
-        # The query's loads go out before the first copy (NOTES.md item 43).
-        q_nope, q_pe = _load_query(
-            Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R,
-            BLOCK_M, HAS_PE, io_layout,
-        )  # fmt: skip
-    where, n_bad = _locate_tile(
-        BLOCK_TABLE, b64, start + W * BLOCK_N, end, stride_btb, stride_btp, NUM_PAGES,
-        MAX_PAGES, PAGE_SIZE, BLOCK_N, False, io_layout,
-    )  # fmt: skip
-    if W < n_tiles:
-        _copy_kv_tile(KV_DESC, kv_ring, ready, W, where)
-    if HAS_PE and W == 0:
-        _copy_pe_tile(PE_DESC, pe_slot, pe_ready, 0, where)
-    if W == 0:
-        nope_scale = _store_query(q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, True)
-        scale_hand.store(gl.zeros([BLOCK_M], gl.float32, layout=row_layout) + nope_scale)
-        _thread_barrier()
-        mbarrier.arrive(q_ready, count=1)
-        _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
-    else:
-        mbarrier.wait(q_ready, 0)
-        nope_scale = gl.max(scale_hand.load(row_layout), 0)
-    o_t, m_i, l_i, n_bad = _alternate_loop(
-        W, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stages, p_bufs, pe_slot,
-        ready, pe_ready, where, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_btb, stride_btp, NUM_PAGES,
-        MAX_PAGES, stride_pep, stride_pet, scale_log2, nope_scale, STAMP_ROW, S_Q, H, L, R,
-        PAGE_SIZE, BLOCK_M, CAUSAL, HAS_PE, CHUNK, STAMPS,
-    )  # fmt: skip
-    if W == 1:
-        _hand_view(stages, 1, L, BLOCK_M).store(o_t)
-        max_hand.store(m_i)
-        sum_hand.store(l_i)
-        bad_hand.store(gl.zeros([BLOCK_N], gl.int32, layout=bad_layout) + n_bad)
-        _thread_barrier()
-        mbarrier.arrive(handed, count=1)
-    else:
-        _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
-        mbarrier.wait(handed, 0)
-        o_other = _hand_view(stages, 1, L, BLOCK_M).load(s_layout)
-        m_other = max_hand.load(row_layout)
-        l_other = sum_hand.load(row_layout)
-        bad_other = bad_hand.load(bad_layout)
-        # The two online softmax states merged (a row no tile reached keeps -inf and 0).
-        m_new = gl.maximum(m_i, m_other)
-        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_shift)
-        beta = gl.exp2(m_other - m_shift)
-        _hand_view(stages, 0, L, BLOCK_M).store(o_t * alpha[None, :] + o_other * beta[None, :])
-        _thread_barrier()
-        max_hand.store(m_new)
-        sum_hand.store(l_i * alpha + l_other * beta)
-        bad_hand.store(bad_other + n_bad)
-
-
-@gluon.jit
-def _alternate_idle():
-    """The default partition of an alternate-tile program: nothing while the two math
-    warpgroups run (the kernel's epilogue follows them), so that none of its registers are
-    live through their loops (held there, they spilled: NOTES.md item 51)."""
-    pass
-
-
-@gluon.jit
-def _hand_view(stages, W: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Warpgroup ``W``'s staging tile as a float32 ``[L, BLOCK_M]`` buffer (its ``O^T`` handed
-    on once the loops are done; 32 KB of the 64)."""
-    return stages.index(W)._reinterpret(
-        gl.float32, [L, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    )
-
-
-@gluon.jit
 def _mla_decode_wgmma_kernel(
     Q,  # [B, S_q, H, L+R]
     SEQLENS,  # [B] int32
@@ -1413,8 +1196,6 @@ def _mla_decode_wgmma_kernel(
     ROWS_ON_M: gl.constexpr,  # 64 rows, 16-bit cache: S = Q K^T, O = P V (_consume_rows_on_m)
     ONE_SCORER: gl.constexpr,  # rows on M, warpgroup 0 scores (_score_tiles, _assist_tiles)
     ASSIST_REGS: gl.constexpr,  # ONE_SCORER: registers per thread of warpgroup 1
-    ALTERNATE: gl.constexpr,  # float8, 16 rows: two math warpgroups take alternate tiles
-    ALTERNATE_REGS: gl.constexpr,  # ALTERNATE: registers per thread of warpgroup 1
     MERGE: gl.constexpr,  # write the final OUT/LSE_OUT: no combine kernel (_merge_splits)
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
@@ -1446,15 +1227,6 @@ def _mla_decode_wgmma_kernel(
         or (
             BLOCK_M == 64 and num_warps == 4 and NUM_STAGES == 2 and not KV_FP8 and not GATHER
             and PRODUCER_WARPS == 0 and not ROWS_ON_M
-        )
-    )  # fmt: skip
-    # Alternate tiles: warpgroup 0 is the kernel's 4 warps, warpgroup 1 a partition of its own;
-    # one ring slot and one staging tile per warpgroup, each copying its own tiles.
-    gl.static_assert(
-        not ALTERNATE
-        or (
-            KV_FP8 and BLOCK_M == 16 and num_warps == 4 and NUM_STAGES == 2 and not GATHER
-            and PRODUCER_WARPS == 0 and not ROWS_ON_M and not ONE_SCORER
         )
     )  # fmt: skip
     q_dtype: gl.constexpr = Q.dtype.element_ty
@@ -1514,13 +1286,11 @@ def _mla_decode_wgmma_kernel(
         gl.store(STAMP_ROW + STAMP_TILES, tiles.to(gl.int64))
 
     # Rows of this program, in the layouts they are used in.
+    rows_st = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
+    row_ok_st = rows_st < S_Q * H
     n_real = gl.cdiv(seqlen, chunk)  # the sequence's chunks (MERGE: 1 writes the final rows)
     if start >= end:
-        rows_st = row_block * BLOCK_M + gl.arange(
-            0, BLOCK_M, layout=gl.SliceLayout(0, st_layout)
-        )
-        offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
-        row_ok_st = rows_st < S_Q * H
         # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
         # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (a), (d), (e),
         # NOTES item 26). MERGE: nothing, unless the whole sequence is empty (split 0 is empty
@@ -1554,11 +1324,7 @@ def _mla_decode_wgmma_kernel(
         )  # fmt: skip
     else:
         kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
-    if ALTERNATE:
-        stage = gl.allocate_shared_memory(
-            dtype, [2, BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
-        )
-    elif KV_FP8:
+    if KV_FP8:
         stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
         )
@@ -1568,11 +1334,7 @@ def _mla_decode_wgmma_kernel(
         qpe_smem = gl.allocate_shared_memory(
             q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
         )
-        if ALTERNATE:
-            # One k_pe slot shared by the two warpgroups' tiles in turn: two staging tiles leave
-            # no room for k_pe in each ring slot.
-            pe_ring = gl.allocate_shared_memory(q_dtype, [BLOCK_N, R], PE_DESC.layout)
-        elif GATHER:
+        if GATHER:
             pe_ring = gl.allocate_shared_memory(
                 q_dtype, [NUM_STAGES, BLOCK_N, R],
                 gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], q_dtype),
@@ -1586,11 +1348,6 @@ def _mla_decode_wgmma_kernel(
         p_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype),
-        )  # fmt: skip
-    elif ALTERNATE:
-        p_smem = gl.allocate_shared_memory(
-            dtype, [2, BLOCK_N, BLOCK_M],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype),
         )  # fmt: skip
     else:
         p_smem = gl.allocate_shared_memory(
@@ -1660,82 +1417,6 @@ def _mla_decode_wgmma_kernel(
         mbarrier.wait(done, 0)
         n_bad = bad_smem.load(gl.SliceLayout(1, gather_layout))
         mbarrier.invalidate(done)
-    elif ALTERNATE:
-        # The query's nope scale (then warpgroup 1's max), warpgroup 1's sums and invalid-page
-        # count, handed over.
-        scale_hand = gl.allocate_shared_memory(
-            gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-        max_hand = gl.allocate_shared_memory(
-            gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-        sum_hand = gl.allocate_shared_memory(
-            gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-        bad_hand = gl.allocate_shared_memory(
-            gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        handed = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(q_ready, count=1)
-        mbarrier.init(handed, count=1)
-        # pe_ready[w]: the shared k_pe slot holds warpgroup w's tile.
-        pe_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for w in gl.static_range(2):
-            mbarrier.init(pe_ready.index(w), count=1)
-        # What the epilogue needs of this program's place (sequence, split, its chunks), parked
-        # in shared memory across the partitions: held in warpgroup 0's registers through its
-        # loop they spilled (NOTES.md item 51).
-        id_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-        offs_id = gl.arange(0, 4, layout=id_layout)
-        ids_smem = gl.allocate_shared_memory(
-            gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
-        )
-        ids_smem.store(gl.where(offs_id == 0, b, gl.where(offs_id == 1, split, n_real)))
-        gl.warp_specialize(
-            [
-                (_alternate_idle, ()),
-                (
-                    _alternate_tiles,
-                    (
-                        0, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage,
-                        p_smem, pe_ring, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
-                        row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
-                        stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_pep,
-                        stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R, PAGE_SIZE,
-                        BLOCK_M, CAUSAL, HAS_PE, CHUNK, STAMPS,
-                    ),
-                ),
-                (
-                    _alternate_tiles,
-                    (
-                        1, Q, KV_DESC, PE_DESC, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, stage,
-                        p_smem, pe_ring, pe_ready, scale_hand, max_hand, sum_hand, bad_hand, ready, q_ready, handed, b64,
-                        row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs, stride_qh,
-                        stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_pep,
-                        stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R, PAGE_SIZE,
-                        BLOCK_M, CAUSAL, HAS_PE, CHUNK, False,
-                    ),
-                ),
-            ],
-            [4, 4],
-            [ALTERNATE_REGS, ALTERNATE_REGS],
-        )  # fmt: skip
-        o_t = _hand_view(stage, 0, L, BLOCK_M).load(st_layout)
-        m_i = max_hand.load(gl.SliceLayout(0, st_layout))
-        l_i = sum_hand.load(gl.SliceLayout(0, st_layout))
-        n_bad = bad_hand.load(gl.SliceLayout(1, gather_layout))
-        mbarrier.invalidate(q_ready)
-        mbarrier.invalidate(handed)
-        for w in gl.static_range(2):
-            mbarrier.invalidate(pe_ready.index(w))
-        ids = ids_smem.load(id_layout)
-        b = gl.sum(gl.where(offs_id == 0, ids, 0), 0)
-        split = gl.sum(gl.where(offs_id == 1, ids, 0), 0)
-        n_real = gl.sum(gl.where(offs_id == 2, ids, 0), 0)
-        b64 = b.to(gl.int64)
-        row_block = pid % num_row_blocks
-        STAMP_ROW = STAMP_BUF + pid * STAMP_SLOTS
     else:
         if ROWS_ON_M or ONE_SCORER:
             # The query's loads go out first: issued after the prologue's copies they queue
@@ -1828,11 +1509,6 @@ def _mla_decode_wgmma_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
-    rows_st = row_block * BLOCK_M + gl.arange(
-        0, BLOCK_M, layout=gl.SliceLayout(0, st_layout)
-    )
-    offs_l_st = gl.arange(0, L, layout=gl.SliceLayout(1, st_layout))
-    row_ok_st = rows_st < S_Q * H
     s_st = rows_st // H
     h_st = rows_st % H
     # Without MERGE every chunk writes its partial. With MERGE, a sequence cut into one chunk
@@ -1893,10 +1569,6 @@ CONVERT_CHUNK = 128
 # of the output is 128 float32 per thread.
 ASSIST_REGS = 232
 
-# Registers per thread of an alternate-tile program's warpgroup 1 (launch(alternate=True)): its
-# O^T is 64 float32 per thread, as warpgroup 0's.
-ALTERNATE_REGS = 232
-
 # Registers per thread of the producer partition (setmaxnreg; a multiple of 8 from 24): TMA
 # issue is a few scalars, a gather holds its row addresses. (TMA, gather)
 PRODUCER_REGS = (40, 88)
@@ -1927,16 +1599,6 @@ def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
     gathered cache keeps the rows-on-M loop, a float8 cache the transposed loop (it converts each
     tile once for both products)."""
     return block_m == 64 and not float8 and not gather
-
-
-def default_alternate(block_m: int, float8: bool, gather: bool) -> bool:
-    """Whether a program is an alternate-tile program (``launch(alternate=True)``: two math
-    warpgroups take every other tile, each with its own ring slot and staging tile): 16 rows over
-    a float8 cache whose tiles arrive by TMA. There one warpgroup's serial chain per tile
-    (conversion, scores, softmax, P.V) is longer than the tile's copy (NOTES.md items 40, 51);
-    two of them halve its share. 32 or 64 rows leave no shared memory for a second staging
-    tile."""
-    return block_m == 16 and float8 and not gather
 
 
 def default_longest_first(
@@ -1990,7 +1652,6 @@ def launch(
     producer_warps: int | None = None,
     rows_on_m: bool | None = None,
     one_scorer: bool = False,
-    alternate: bool = False,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
     longest_first: bool | None = None,
@@ -2005,12 +1666,8 @@ def launch(
     ``default_rows_on_m``). one_scorer: 64 rows on M with warpgroup 0 scoring whole tiles
     and the two warpgroups splitting P.V (``_score_tiles``, ``_assist_tiles``; the op's choice
     is ``default_one_scorer``): ``num_warps`` is then warpgroup 0's 4, ``num_stages`` 2,
-    copy-engine tiles of a 16-bit cache. alternate: 16 rows over a float8 cache, two math
-    warpgroups taking alternate tiles (``_alternate_first``, ``_alternate_second``; the op's
-    choice is ``default_alternate``): ``num_warps`` 4 (warpgroup 0's), ``num_stages`` 2,
-    copy-engine tiles; each warpgroup copies its own tiles (no producer partition).
-    longest_first: programs take the chunks longest first (``_longest_first``; None:
-    ``default_longest_first``), else split-major.
+    copy-engine tiles of a 16-bit cache. longest_first: programs take the chunks longest first
+    (``_longest_first``; None: ``default_longest_first``), else split-major.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -2028,19 +1685,6 @@ def launch(
                 "one_scorer: expected block_m=64, num_warps=4, num_stages=2, rows_on_m not set, "
                 f"copy-engine tiles of a 16-bit cache; got block_m={block_m}, "
                 f"num_warps={num_warps}, num_stages={num_stages}, rows_on_m={rows_on_m}, "
-                f"gather={gather}, kv_c {kv_c.dtype}"
-            )
-        rows_on_m = False
-        producer_warps = 0
-    if alternate:
-        if (
-            one_scorer or rows_on_m or block_m != 16 or num_warps != 4 or num_stages != 2
-            or gather or not float8
-        ):  # fmt: skip
-            raise ValueError(
-                "alternate: expected block_m=16, num_warps=4, num_stages=2, copy-engine tiles "
-                "of a float8 cache, no one_scorer or rows_on_m; got "
-                f"block_m={block_m}, num_warps={num_warps}, num_stages={num_stages}, "
                 f"gather={gather}, kv_c {kv_c.dtype}"
             )
         rows_on_m = False
@@ -2134,8 +1778,6 @@ def launch(
         ROWS_ON_M=rows_on_m,
         ONE_SCORER=one_scorer,
         ASSIST_REGS=ASSIST_REGS,
-        ALTERNATE=alternate,
-        ALTERNATE_REGS=ALTERNATE_REGS,
         MERGE=merge_into is not None,
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         STAMPS=stamps is not None,

@@ -126,7 +126,7 @@ def _fp8_pair_case(seed: int, dtype: torch.dtype, **kw):
 def test_fp8_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     """A float8 kv_c (converted to fp16 in shared memory, scale folded into the query): exact
     against the float64 reference of the dequantised cache, at 16-, 32- and 64-row programs (three
-    ring slots at 16 and 32 rows, two at 64), S_q > 1, empty sequences, partial last tiles."""
+    ring slots at 32 rows, two at 16 and 64), S_q > 1, empty sequences, partial last tiles."""
     import random
 
     rng = random.Random(seed)
@@ -236,8 +236,6 @@ def test_producer_partition_matches_math_warps_copying(
     )  # fmt: skip
     if float8:
         case = _fp8_pair_case(71, torch.bfloat16, **kw)
-        # The transposed loop's producer (a float8 cache by TMA otherwise takes alternate tiles).
-        monkeypatch.setattr(wgmma_decode, "default_alternate", lambda *args: False)
     else:
         case = make_case(71, dtype=torch.bfloat16, device="cuda", **kw)
     case.block_table[3, 0] = 10**6  # a bad page id in one sequence
@@ -250,64 +248,6 @@ def test_producer_partition_matches_math_warps_copying(
     assert torch.isnan(lse_ws[3, ..., 0]).all() and torch.isnan(lse_ws).sum() == 16
     assert torch.equal(lse_ws.nan_to_num(), lse_0.nan_to_num())
     assert torch.equal(out_ws.nan_to_num(), out_0.nan_to_num())
-
-
-ALTERNATE_CASES = [
-    # Tile counts 1, 2, 3 and 5 per split (warpgroup 1 idle, even, odd), partial last tiles,
-    # empty sequences, a split past a sequence's end.
-    dict(heads=16, s_q=1, lengths=[1, 64, 65, 190, 0, 300], num_splits=1),
-    dict(heads=16, s_q=1, lengths=[1000, 0, 300, 64, 130], num_splits=3, total_splits=4),
-    # S_q > 1 causal (8 heads x 2 rows), odd heads (a partial row block), no RoPE part, a
-    # narrower latent, pages of two tiles.
-    dict(heads=8, s_q=2, lengths=[129, 700], num_splits=2, causal=True),
-    dict(heads=5, s_q=3, lengths=[3000, 1], num_splits=4, page_size=128),
-    dict(heads=3, s_q=1, lengths=[640, 77], num_splits=1, dims=(128, 0)),
-    dict(heads=16, s_q=1, lengths=[257, 1200], num_splits=2, dims=(64, 16)),
-]
-
-
-@requires_hopper
-@pytest.mark.parametrize("kw", ALTERNATE_CASES, ids=lambda kw: str(sorted(kw.items())))
-def test_alternate_tiles_match_the_reference_and_the_transposed_loop(
-    kernels, monkeypatch, kw: dict
-) -> None:
-    """16-row programs over a float8 cache by TMA take alternate tiles in two warpgroups (the
-    op's default, ``wgmma_decode.default_alternate``): output and LSE against the float64
-    reference of the dequantised cache, and within rounding of the one-warpgroup transposed loop
-    (another summation order: the two warpgroups' states merge at the end). A bad page id then
-    makes its sequence NaN and nothing else."""
-    from mla_ops import wgmma_decode
-
-    args = dict(page_size=64, dims=(512, 64), causal=False) | kw
-    case = _fp8_pair_case(91, torch.bfloat16, **args)
-    out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_alternate"], case.describe()
-    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
-    ref_out, ref_lse = case.reference()
-    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    alternate = wgmma_decode.default_alternate
-    monkeypatch.setattr(wgmma_decode, "default_alternate", lambda *args: False)
-    out_t, lse_t = run(kernels, case)
-    assert not kernels.LAST_LAUNCH["wgmma_alternate"]
-    torch.testing.assert_close(out, out_t, atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(lse, lse_t, atol=1e-4, rtol=0, equal_nan=True)
-    monkeypatch.setattr(wgmma_decode, "default_alternate", alternate)
-    if case.q.shape[0] > 1 and case.cache_seqlens[1] > 0:
-        _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
-
-
-def test_alternate_default() -> None:
-    """Alternate tiles for 16-row programs over a float8 cache by TMA only: 32 and 64 rows leave
-    no shared memory for a second staging tile, gathered tiles keep their producer warpgroup."""
-    from mla_ops import triton_kernels, wgmma_decode
-
-    assert wgmma_decode.default_alternate(16, True, False)
-    assert not wgmma_decode.default_alternate(16, False, False)
-    assert not wgmma_decode.default_alternate(16, True, True)
-    assert not wgmma_decode.default_alternate(32, True, False)
-    assert not wgmma_decode.default_alternate(64, True, False)
-    need = triton_kernels.wgmma_shared_memory(16, 512, 64, 2, True, alternate=True)
-    assert need <= 232448 < triton_kernels.wgmma_shared_memory(32, 512, 64, 2, True, True)
 
 
 def _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse) -> None:
@@ -841,7 +781,8 @@ def test_no_wgmma_off_hopper() -> None:
     ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge"),
     [(16, 2, None, 64, None, False), (64, 2, None, 64, None, False),
      (64, 2, None, 64, False, False), (64, 2, None, 1, None, False),
-     (16, 3, "fp8e4nv", 64, None, False), (16, 2, None, 1, None, False),
+     (16, 2, "fp8e4nv", 64, None, False), (32, 3, "fp8e4nv", 64, None, False),
+     (16, 2, None, 1, None, False),
      (64, 2, "fp8e4nv", 16, None, False), (16, 2, None, 64, None, True),
      (64, 2, None, 64, None, True)],
 )  # fmt: skip
@@ -856,9 +797,9 @@ def test_compiles_to_wgmma_for_sm90(
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
     (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
     most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
-    SM; 64 rows with the query rows on either MMA side. Over a float8 cache at 16 rows, the three
-    ring slots ``wgmma_stages`` picks, and the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches
-    (with and without the stale-row select). Merging
+    SM; 64 rows with the query rows on either MMA side. Over a float8 cache, the ring slots
+    ``wgmma_stages`` picks (two at 16 rows, three at 32), and the conversion by
+    ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the stale-row select). Merging
     (``mla::attention``): exactly one release-acquire arrival, partials read past L1."""
     from mla_ops import triton_kernels
 
