@@ -130,12 +130,18 @@ STAMP_ASSIST_STORED = gl.constexpr(STAMP_FIELDS.index("assist_stored"))
 @gluon.constexpr_function
 def _copy_layouts(num_warps, kv_fp8):
     """Register layouts of ``num_warps`` warps for tile rows: ``io`` (16-bit values, 8 per
-    thread and row: 16 bytes), ``conv`` (float8 conversion: 16 bytes per thread and row, 8 threads
-    across a 128-byte chunk) and ``gather`` (kv_c rows copied 16 bytes per thread: ``conv`` for a
-    float8 kv_c, else ``io``)."""
+    thread and row: 16 bytes), ``conv`` (float8 conversion: ``io`` too, 8 float8 values per thread
+    and row read, 16 bytes of fp16 written) and ``gather`` (kv_c rows copied 16 bytes per thread:
+    16 float8 values per thread and row for a float8 kv_c, else ``io``).
+
+    Why the conversion reads 8 float8 values, not 16: the 32 fp16 bytes of 16 went out as two
+    16-byte stores per thread whose lanes fell on the same banks of the swizzled staging tile (ncu:
+    4.4 of its 8.9 million store wavefronts on (a8) were bank-conflict replays, and the float8
+    loop ran its shared memory at 67-71 % of peak), and the float8 cases took 6-7 % longer (NOTES.md
+    item 52)."""
     io = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    conv = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-    return io, conv, conv if kv_fp8 else io
+    fp8_rows = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
+    return io, io, fp8_rows if kv_fp8 else io
 
 
 @gluon.jit
