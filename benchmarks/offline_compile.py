@@ -123,7 +123,7 @@ def compile_wgmma(
         S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
-        KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.CONVERT_CHUNK), GATHER=gather,
+        KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.GATHER_CHUNK), GATHER=gather,
         FILL_EMPTY=False,
         PRODUCER_WARPS=(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
@@ -176,6 +176,50 @@ def compile_wgmma(
     constexprs = {(params.index(k),): v for k, v in const.items()}
     source = GluonASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": warps})
+
+
+def conversion_bank_conflicts(num_warps: int, kv_len: int) -> dict:
+    """Bank conflicts of the float8 tile's conversion (``wgmma_decode._conversion_layout`` over a
+    ``[64, kv_len]`` tile): its float8 loads from the ring slot and fp16 stores to the staging
+    tile, and the same for the 16-bit ``io`` layout. Triton's
+    count for one instruction (``gl.bank_conflicts``: 0 is none, 1 a two-way replay), from the
+    layouts alone, as an sm_90 compile of a kernel that only asks."""
+    import contextlib
+    import io as io_module
+
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_ops import wgmma_decode as wd
+
+    @gluon.jit
+    def ask(X, W: gl.constexpr, L: gl.constexpr):
+        # The whole width in the conversion's pattern: each chunk of it is that pattern's part.
+        conv: gl.constexpr = wd._conversion_layout(W, L)
+        io: gl.constexpr = wd._copy_layouts(W, False)[0]
+        fp8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, L], gl.float8e4nv)
+        fp16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, L], gl.float16)
+        fp8_ty: gl.constexpr = gl.shared_memory_descriptor_type(
+            gl.float8e4nv, [64, L], fp8, [64, L]
+        )
+        fp16_ty: gl.constexpr = gl.shared_memory_descriptor_type(gl.float16, [64, L], fp16, [64, L])
+        gl.static_print(
+            "BANKS", gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [64, L], conv), fp8_ty),
+            gl.bank_conflicts(gl.distributed_type(gl.float16, [64, L], conv), fp16_ty),
+            gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [64, L], io), fp8_ty),
+            gl.bank_conflicts(gl.distributed_type(gl.float16, [64, L], io), fp16_ty),
+        )  # fmt: skip
+
+    source = GluonASTSource(
+        ask, {"X": "*fp32", "W": "constexpr", "L": "constexpr"}, {(1,): num_warps, (2,): kv_len}, {}
+    )  # fmt: skip
+    printed = io_module.StringIO()
+    with contextlib.redirect_stdout(printed):
+        triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
+    line = next(x for x in printed.getvalue().splitlines() if "BANKS" in x)
+    counts = [int(v) for v in re.findall(r"-?\d+", line.split("BANKS", 1)[1])]
+    return dict(zip(("conv_load", "conv_store", "io_load", "io_store"), counts))
 
 
 def resources(compiled) -> dict:

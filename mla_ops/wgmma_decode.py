@@ -130,18 +130,48 @@ STAMP_ASSIST_STORED = gl.constexpr(STAMP_FIELDS.index("assist_stored"))
 @gluon.constexpr_function
 def _copy_layouts(num_warps, kv_fp8):
     """Register layouts of ``num_warps`` warps for tile rows: ``io`` (16-bit values, 8 per
-    thread and row: 16 bytes), ``conv`` (float8 conversion: ``io`` too, 8 float8 values per thread
-    and row read, 16 bytes of fp16 written) and ``gather`` (kv_c rows copied 16 bytes per thread:
-    16 float8 values per thread and row for a float8 kv_c, else ``io``).
-
-    Why the conversion reads 8 float8 values, not 16: the 32 fp16 bytes of 16 went out as two
-    16-byte stores per thread whose lanes fell on the same banks of the swizzled staging tile (ncu:
-    4.4 of its 8.9 million store wavefronts on (a8) were bank-conflict replays, and the float8
-    loop ran its shared memory at 67-71 % of peak), and the float8 cases took 6-7 % longer (NOTES.md
-    item 52)."""
+    thread and row: 16 bytes) and ``gather`` (kv_c rows copied 16 bytes per thread: 16 float8
+    values per thread and row for a float8 kv_c, else ``io``). A float8 tile's conversion has its
+    own (``_conversion_layout``)."""
     io = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     fp8_rows = gl.BlockedLayout([1, 16], [4, 8], [num_warps, 1], [1, 0])
-    return io, io, fp8_rows if kv_fp8 else io
+    return io, fp8_rows if kv_fp8 else io
+
+
+@gluon.constexpr_function
+def _conversion_layout(num_warps, chunk):
+    """The register layout converting ``[64, chunk]`` float8 columns of a tile to fp16 with no
+    bank conflicts on either side: 8 values per thread and row (8 bytes loaded, 16 stored), 8
+    threads along 64 columns, lanes 8-15 four rows below lanes 0-7 and lanes 16-31 one row below
+    lanes 0-15.
+
+    Why those rows: a float8 tile at least 128 columns wide and the fp16 one both have 128-byte
+    rows whose 16-byte chunks are swizzled by the row's index mod 8. An fp16 store serves 8 lanes
+    at a time, which here cover one 128-byte row. An 8-byte float8 load serves 16 lanes at a
+    time, which cover 64 bytes of two rows; rows ``r`` and ``r + 4`` put them on opposite halves
+    of the banks, where ``r`` and ``r + 1`` (the 16-bit ``io`` layout's rows) put them on the
+    same half, a two-way conflict (ncu: 2.1 of 4.6 million load wavefronts on (a8)). 16 values
+    per thread, the layout before ``io``, had its stores conflict instead (4.4 of 8.9 million).
+    A 64-column float8 tile has 64-byte rows, where ``io`` has no conflict. NOTES.md items
+    52-53."""
+    if chunk < 128:
+        return _copy_layouts(num_warps, False)[0]
+    warp_bits = num_warps.bit_length() - 1
+    rows = [2, 8, 16, 32]  # after lanes' 4 and 1
+    col_regs = [[0, c] for c in (64, 128, 256) if c < chunk]
+    return gl.DistributedLinearLayout(
+        [[0, 1], [0, 2], [0, 4]] + col_regs + [[r, 0] for r in rows[warp_bits:]],
+        [[0, 8], [0, 16], [0, 32], [4, 0], [1, 0]],
+        [[r, 0] for r in rows[:warp_bits]],
+        [],
+        [64, chunk],
+    )
+
+
+@gluon.constexpr_function
+def _conversion_chunk(kv_len):
+    """Columns of a float8 ``kv_c`` tile of width ``kv_len`` converted at a time."""
+    return min(kv_len, FP8_CONVERT_CHUNK)
 
 
 @gluon.jit
@@ -545,10 +575,10 @@ def _tile_scores(
     """Wait for the tile at ring position ``pos`` (``_await_tile``); its scores ``S^T = K Q^T``
     (complete).
 
-    A float8 tile is converted into ``stage`` (zeroing the rows past ``end`` on the way) while
-    the tensor cores run its RoPE scores, and the nope scores read it there; they take
-    ``nope_scale`` (kv_scale and the query's power of two) in float32, apart from the RoPE
-    part's, so the fp16 query needs no rounding.
+    A float8 tile is converted (``CHUNK`` columns at a time, in ``conv_layout``) into ``stage``
+    (zeroing the rows past ``end`` on the way) while the tensor cores run its RoPE scores, and
+    the nope scores read it there; they take ``nope_scale`` (kv_scale and the query's power of
+    two) in float32, apart from the RoPE part's, so the fp16 query needs no rounding.
     """
     slot = pos % NUM_STAGES
     kv = _await_tile(
@@ -693,7 +723,7 @@ def _produce_tiles(
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     io_layout: gl.constexpr = _copy_layouts(gl.num_warps(), KV_FP8)[0]
-    gather_layout: gl.constexpr = _copy_layouts(gl.num_warps(), KV_FP8)[2]
+    gather_layout: gl.constexpr = _copy_layouts(gl.num_warps(), KV_FP8)[1]
     n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
     for i in range(n_tiles):
         slot = i % NUM_STAGES
@@ -756,8 +786,9 @@ def _consume_tiles(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
     )
     io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
-    conv_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
-    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
+    CONV_CHUNK: gl.constexpr = _conversion_chunk(L)
+    conv_layout: gl.constexpr = _conversion_layout(num_warps, CONV_CHUNK)
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
 
     q_nope, q_pe = _load_query(
         Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R, BLOCK_M,
@@ -798,7 +829,8 @@ def _consume_tiles(
             n_bad += bad
         s_t = _tile_scores(
             kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CHUNK, io_layout, conv_layout,
+            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CONV_CHUNK, io_layout,
+            conv_layout,
         )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
@@ -885,7 +917,7 @@ def _consume_rows_on_m(
         version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, L // WG, 16]
     )
     io_layout: gl.constexpr = _copy_layouts(num_warps, False)[0]
-    gather_layout: gl.constexpr = _copy_layouts(num_warps, False)[2]
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, False)[1]
 
     last_key, m_i = _row_start(
         row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, gl.SliceLayout(1, s_layout)
@@ -1062,7 +1094,7 @@ def _score_tiles(
         mbarrier.arrive(free.index(slot), count=1)
     _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
     mbarrier.wait(done, 0)
-    bad = bad_smem.load(gl.SliceLayout(1, _copy_layouts(4, False)[2]))
+    bad = bad_smem.load(gl.SliceLayout(1, _copy_layouts(4, False)[1]))
     poisoned = bad_before + gl.sum(bad, 0) > 0
     # alpha_smem is free once warpgroup 1 has read the last tile's alpha (its P.V done).
     mbarrier.wait(p_free, (n_tiles & 1) ^ 1)
@@ -1102,7 +1134,7 @@ def _assist_tiles(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L // 2, 16]
     )
     io_layout: gl.constexpr = _copy_layouts(4, False)[0]
-    gather_layout: gl.constexpr = _copy_layouts(4, False)[2]
+    gather_layout: gl.constexpr = _copy_layouts(4, False)[1]
     n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
     o = gl.zeros([BLOCK_M, L // 2], gl.float32, layout=o_layout)
     for i in range(n_tiles):
@@ -1194,7 +1226,7 @@ def _mla_decode_wgmma_kernel(
     BALANCED: gl.constexpr,
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
-    CHUNK: gl.constexpr,  # columns converted (KV_FP8) or gathered (GATHER) at a time
+    CHUNK: gl.constexpr,  # columns gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     PRODUCER_WARPS: gl.constexpr,  # warps of a producer partition that copies (0: none)
@@ -1242,7 +1274,7 @@ def _mla_decode_wgmma_kernel(
     else:
         dtype: gl.constexpr = q_dtype
     io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
-    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[2]
+    gather_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[1]
     st_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
     len_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
 
@@ -1566,9 +1598,14 @@ _GL_DTYPES = {
     torch.float8_e4m3fn: gl.float8e4nv,
 }
 
-# Columns of a float8 tile converted (or of any tile gathered) at a time: 128 float8 values fill
+# Columns of any tile gathered (cp.async) at a time, the kernel's CHUNK: 128 float8 values fill
 # one swizzle atom's width.
-CONVERT_CHUNK = 128
+GATHER_CHUNK = 128
+
+# Columns of a float8 tile converted at a time (_conversion_chunk): 256 measured 1.2-2 % faster
+# than 128 on (a8), (d8) and (e8), and 512 no faster than 256; each chunk ends at a barrier of the
+# math warps (the staging tile's stores), and fewer chunks mean fewer (NOTES.md item 53).
+FP8_CONVERT_CHUNK = 256
 
 
 # Registers per thread of a one-scorer program's warpgroup 1 (launch(one_scorer=True)): its half
@@ -1776,7 +1813,7 @@ def launch(
         BALANCED=total_splits is not None,
         BLOCK_B=lengths_per_step,
         KV_FP8=float8,
-        CHUNK=min(kv_len, CONVERT_CHUNK),
+        CHUNK=min(kv_len, GATHER_CHUNK),
         GATHER=gather,
         FILL_EMPTY=fill_empty,
         PRODUCER_WARPS=producer_warps,

@@ -892,6 +892,22 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+def test_fp8_conversion_has_no_bank_conflicts() -> None:
+    """The float8 tile's conversion layout reads its float8 bytes and writes their fp16 values
+    without a bank-conflict replay, for 4 and 8 warps and every kv_c width the kernel takes
+    (Triton's own count from the layouts; NOTES.md item 53). The same count sees the 16-bit
+    ``io`` layout's loads replay two-way on a float8 tile's 128-byte rows (ncu: 2.1 of 4.6
+    million load wavefronts on (a8)), so the check can fail."""
+    widths = (64, 128, 256, 512)
+    res = _offline_compile(
+        f"print([oc.conversion_bank_conflicts(w, L) for w in (4, 8) for L in {widths}])"
+    )
+    for (warps, kv_len), counts in zip([(w, L) for w in (4, 8) for L in widths], res):
+        assert counts["conv_load"] == 0 and counts["conv_store"] == 0, (warps, kv_len, counts)
+        assert counts["io_load"] == (kv_len >= 128), (warps, kv_len, counts)
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(("stages", "kv_dtype"), [(2, None), (3, "fp8e4nv")])
 def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: str | None) -> None:
     """The 16-row kernel of a balanced plan, built longest first: the ranking's shared memory
