@@ -452,6 +452,35 @@ def time_call(fns, ref: torch.Tensor | None = None) -> tuple[float, float]:
     return time_rotating([graphed(f) for f in fns], warmup=10, rep=100), err
 
 
+def time_rounds(
+    row: dict, case_name: str, copies: list[Inputs], plan: SplitPlan, ref: torch.Tensor | None,
+    variants: dict[str, dict], rounds: int,
+) -> None:  # fmt: skip
+    """Time each variant (name -> ``wgmma_call`` keywords) on ``copies`` with ``plan``, in
+    ``rounds`` alternating rounds (so that a machine's drift hits all alike): appends the time
+    (us) to ``row[name]["us"]`` and records the first round's error against ``ref``."""
+    for r in range(rounds):
+        for name, launch_kw in variants.items():
+            fns = [wgmma_call(inp, *plan, **launch_kw) for inp in copies]
+            seconds, err = time_call(fns, ref)
+            entry = row.setdefault(name, dict(us=[], rel_err=err))
+            entry["us"].append(seconds * 1e6)
+            print(case_name, name, f"round {r}", f"{seconds * 1e6:.1f} us", f"err {err:.1e}",
+                  flush=True)  # fmt: skip
+            del fns
+
+
+def load_kernel_source(path: str | Path, name: str):
+    """A ``wgmma_decode`` module built from another copy of its source at ``path`` (for A/B runs:
+    Triton keys its kernel cache on the source, so the copy compiles apart from the package's)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **extra) -> None:
     """An experiment's rows as ``out/name.json``, with the device, versions and ceilings."""
     folder = Path(out)

@@ -80,6 +80,25 @@ def case_named(name: str) -> bd.Case:
     raise ValueError(f"--cases: unknown case {name!r}; expected one of {sorted(bd.CASES)} or X8")
 
 
+def case_inputs(name: str, ceil: dict, float64_reference: bool = False):
+    """An A/B run's set-up of case ``name`` (``case_named``): ``(case, copies, plan, ref, row)``,
+    the rotated input copies, the planner's plan, the reference (float8: ``dequantised_reference``;
+    16-bit: float64 attention with ``float64_reference``, else None) and the result row with the
+    case's roofline floor."""
+    case = case_named(name)
+    copies = bd.input_copies(case, torch.cuda.get_device_properties(0).L2_cache_size)
+    plan = bd.planned(case, copies[0])
+    if case.fp8:
+        ref = dequantised_reference(copies[0], case)
+    elif float64_reference:
+        ref = bd.reference(copies[0], case, dtype=torch.float64)
+    else:
+        ref = None
+    row = dict(case=name, num_splits=plan[0], total_splits=plan[1])
+    row["floor_us"] = bd.floor_seconds(case, ceil) * 1e6
+    return case, copies, plan, ref, row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="a8")

@@ -12,7 +12,6 @@ The planner's plan, decode only (no combine), bench_decode's inputs.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -32,9 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     module = None
     if args.source:
-        spec = importlib.util.spec_from_file_location("wgmma_source", args.source)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = bd.load_kernel_source(args.source, "wgmma_source")
     kw = {k: int(v) for k, v in (item.split("=") for item in filter(None, args.launch.split(",")))}
     inp = bd.Inputs(bd.CASES[args.case], torch.Generator().manual_seed(0), with_contiguous=False)
     fn = bd.wgmma_call(inp, *bd.planned(bd.CASES[args.case], inp), False, module, **kw)

@@ -29,7 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_decode as bd
-from fp8_layout import case_named, dequantised_reference
+from fp8_layout import case_inputs
 
 # name -> wgmma_decode.launch keywords ({} is the op's own tiling): 8 math warps (w8), with or
 # without a producer warp, 3 or 2 ring slots (s3, s2).
@@ -58,12 +58,7 @@ def main() -> None:
     ceil = bd.ceilings()
     rows = []
     for case_name in args.cases.split(","):
-        case = case_named(case_name)
-        copies = bd.input_copies(case, props.L2_cache_size)
-        plan = bd.planned(case, copies[0])
-        ref = dequantised_reference(copies[0], case) if case.fp8 else None
-        row = dict(case=case_name, num_splits=plan[0], total_splits=plan[1])
-        row["floor_us"] = bd.floor_seconds(case, ceil) * 1e6
+        case, copies, plan, ref, row = case_inputs(case_name, ceil)
         if case.fp8:
             # The bf16 cache the float8 one was quantised from: what "Nx of bf16" compares with.
             bf16 = bd.input_copies(replace(case, fp8=False), props.L2_cache_size)
@@ -72,15 +67,8 @@ def main() -> None:
             row["bf16_us"] = seconds * 1e6
             print(case_name, "bf16 cache", f"{seconds * 1e6:.1f} us", flush=True)
             del bf16, fns
-        for r in range(args.rounds):
-            for name in names:
-                fns = [bd.wgmma_call(inp, *plan, **VARIANTS[name]) for inp in copies]
-                seconds, err = bd.time_call(fns, ref)
-                entry = row.setdefault(name, dict(us=[], rel_err=err))
-                entry["us"].append(seconds * 1e6)
-                print(case_name, name, f"round {r}", f"{seconds * 1e6:.1f} us", f"err {err:.1e}",
-                      flush=True)  # fmt: skip
-                del fns
+        variants = {name: VARIANTS[name] for name in names}
+        bd.time_rounds(row, case_name, copies, plan, ref, variants, args.rounds)
         rows.append(row)
         del copies
         torch.cuda.empty_cache()

@@ -17,7 +17,6 @@ Cases are bench_decode's (``a`` ... ``g``) or ``X8``: case ``X`` over a float8 c
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,16 +26,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_decode as bd
-from fp8_layout import case_named, dequantised_reference
-
-
-def load_source(name: str, path: str):
-    """A ``wgmma_decode`` module built from the file at ``path`` (its kernels compile apart from
-    the package's: Triton keys its cache on the source)."""
-    spec = importlib.util.spec_from_file_location(f"wgmma_decode_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from fp8_layout import case_inputs
 
 
 def main() -> None:
@@ -52,30 +42,14 @@ def main() -> None:
         name, _, path = item.partition("=")
         if not path:
             ap.error(f"--sources: expected name=path, got {item!r}")
-        modules[name] = load_source(name, path)
+        modules[name] = bd.load_kernel_source(path, f"wgmma_decode_{name}")
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
     for case_name in args.cases.split(","):
-        case = case_named(case_name)
-        copies = bd.input_copies(case, props.L2_cache_size)
-        plan = bd.planned(case, copies[0])
-        ref = (
-            dequantised_reference(copies[0], case)
-            if case.fp8
-            else bd.reference(copies[0], case, dtype=torch.float64)
-        )
-        row = dict(case=case_name, num_splits=plan[0], total_splits=plan[1])
-        row["floor_us"] = bd.floor_seconds(case, ceil) * 1e6
-        for r in range(args.rounds):
-            for name, module in modules.items():
-                fns = [bd.wgmma_call(inp, *plan, module=module) for inp in copies]
-                seconds, err = bd.time_call(fns, ref)
-                entry = row.setdefault(name, dict(us=[], rel_err=err))
-                entry["us"].append(seconds * 1e6)
-                print(case_name, name, f"round {r}", f"{seconds * 1e6:.1f} us", f"err {err:.1e}",
-                      flush=True)  # fmt: skip
-                del fns
+        _, copies, plan, ref, row = case_inputs(case_name, ceil, float64_reference=True)
+        variants = {name: dict(module=module) for name, module in modules.items()}
+        bd.time_rounds(row, case_name, copies, plan, ref, variants, args.rounds)
         rows.append(row)
         del copies
         torch.cuda.empty_cache()

@@ -28,7 +28,6 @@ the runs before 2026-11-23 used ``triton.testing.do_bench``, whose zeroing leave
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import re
 import sys
@@ -99,11 +98,12 @@ NO_PV = [
         "",
     )
 ]
+# (``_scores_on_m``, which one-scorer programs share.)
 NO_SCORES = [
     (
-        r"re:        s = warpgroup_mma\(q_smem, kv\.permute.*\n(?:.*\n){2}"
-        r"        s = warpgroup_mma_wait\(num_outstanding=0, deps=\(s,\)\)\n",
-        "        s = s_zero\n",
+        r"re:    s = warpgroup_mma\(q_smem, kv\.permute.*\n(?:.*\n){3}"
+        r"    s = warpgroup_mma_wait\(num_outstanding=0, deps=\(s,\)\)\n",
+        "    s = s_zero\n",
     )
 ]
 ROWS_ON_M_ONLY = ("mma_only", "scores_only", "pv_only")
@@ -133,10 +133,7 @@ def build(name: str, folder: Path):
         src = src.replace(old, new)
     path = folder / f"wgmma_{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"wgmma_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bd.load_kernel_source(path, f"wgmma_{name}")
 
 
 def main() -> None:
