@@ -215,7 +215,10 @@ def conversion_bank_conflicts(num_warps: int, kv_len: int) -> dict:
         ask, {"X": "*fp32", "W": "constexpr", "L": "constexpr"}, {(1,): num_warps, (2,): kv_len}, {}
     )  # fmt: skip
     printed = io_module.StringIO()
-    with contextlib.redirect_stdout(printed):
+    # The counts are printed while the kernel is built, so it must be built: a cached one would
+    # print nothing.
+    with triton.knobs.compilation.scope(), contextlib.redirect_stdout(printed):
+        triton.knobs.compilation.always_compile = True
         triton.compile(source, target=GPUTarget("cuda", 90, 128), options={"num_warps": num_warps})
     line = next(x for x in printed.getvalue().splitlines() if "BANKS" in x)
     counts = [int(v) for v in re.findall(r"-?\d+", line.split("BANKS", 1)[1])]
