@@ -151,7 +151,7 @@ def _conversion_layout(num_warps, chunk):
     time, which cover 64 bytes of two rows; rows ``r`` and ``r + 4`` put them on opposite halves
     of the banks, where ``r`` and ``r + 1`` (the 16-bit ``io`` layout's rows) put them on the
     same half, a two-way conflict (ncu on (a8): 2.1 of 4.6 million load wavefronts with ``io``,
-    none left with these rows; the float8 cases 4-5 % faster). 16 values per thread, the layout
+    none left with these rows; the float8 cases 3.8-5 % faster). 16 values per thread, the layout
     before ``io``, had its stores conflict instead (4.4 of 8.9 million). A 64-column float8 tile
     has 64-byte rows, where ``io`` has no conflict. NOTES.md items 52-53."""
     if chunk < 128:

@@ -116,14 +116,10 @@ def main() -> None:
     ceil = bd.ceilings()
     rows = []
     for name in args.cases.split(","):
-        case = case_named(name)
-        copies = bd.input_copies(case, props.L2_cache_size)
-        plan = bd.planned(case, copies[0])
-        ref = dequantised_reference(copies[0], case) if case.fp8 else None
+        case, copies, plan, ref, row = case_inputs(name, ceil)
         # Roofline floors of the bytes each reads: float8 rows, and the bf16 rows of the reference.
-        floor = bd.floor_seconds(case, ceil)
+        floor = row["floor_us"] / 1e6
         floor_bf16 = bd.floor_seconds(replace(case, fp8=False), ceil)
-        row = dict(case=name, num_splits=plan[0], total_splits=plan[1], floor_us=floor * 1e6)
         for layout in layouts:
             views = [CacheView(inp, layout) for inp in copies]
             ring = {} if args.stages is None or layout == "bf16" else {"num_stages": args.stages}

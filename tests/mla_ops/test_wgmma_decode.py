@@ -902,7 +902,7 @@ def test_fp8_conversion_has_no_bank_conflicts() -> None:
     res = _offline_compile(
         f"print([oc.conversion_bank_conflicts(w, L) for w in (4, 8) for L in {widths}])"
     )
-    for (warps, kv_len), counts in zip([(w, L) for w in (4, 8) for L in widths], res):
+    for (warps, kv_len), counts in zip([(w, L) for w in (4, 8) for L in widths], res, strict=True):
         assert counts["conv_load"] == 0 and counts["conv_store"] == 0, (warps, kv_len, counts)
         assert counts["io_load"] == (kv_len >= 128), (warps, kv_len, counts)
 
