@@ -31,24 +31,35 @@ from fp8_layout import case_inputs
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sources", required=True, help="name=path,...: the copies to compare")
+    ap.add_argument(
+        "--sources", required=True,
+        help="name=path[+key=int...],...: the copies to compare, each with optional launch "
+        "keywords (e.g. +num_stages=3); the path 'package' is the package's own file",
+    )  # fmt: skip
     ap.add_argument("--cases", default="a8")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="source_ab", help="the JSON's file name under --out")
     args = ap.parse_args()
     modules = {"package": None}
+    launch_kw = {"package": {}}
     for item in args.sources.split(","):
-        name, _, path = item.partition("=")
+        name, _, spec = item.partition("=")
+        path, *extras = spec.split("+")
         if not path:
             ap.error(f"--sources: expected name=path, got {item!r}")
-        modules[name] = bd.load_kernel_source(path, f"wgmma_decode_{name}")
+        modules[name] = (
+            None if path == "package" else bd.load_kernel_source(path, f"wgmma_decode_{name}")
+        )
+        launch_kw[name] = {k: int(v) for k, _, v in (e.partition("=") for e in extras)}
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
     for case_name in args.cases.split(","):
         _, copies, plan, ref, row = case_inputs(case_name, ceil, float64_reference=True)
-        variants = {name: dict(module=module) for name, module in modules.items()}
+        variants = {
+            name: dict(module=module, **launch_kw[name]) for name, module in modules.items()
+        }
         bd.time_rounds(row, case_name, copies, plan, ref, variants, args.rounds)
         rows.append(row)
         del copies
