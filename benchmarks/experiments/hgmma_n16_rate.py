@@ -141,6 +141,7 @@ def main() -> None:
                     products=name,
                     a_from="registers" if a_regs else "shared",
                     us_per_tile=us_tile,
+                    us_per_tile_per_sm=us_tile / per_sm,
                     hgmma_per_tile=n_mma,
                     ns_per_hgmma=us_tile * 1e3 / n_mma / per_sm,
                 )
@@ -154,11 +155,14 @@ def main() -> None:
     stem = f"hgmma_n16_rate_{props.name.split()[1]}"
     (Path(args.out) / f"{stem}.json").write_text(json.dumps(dict(info=info, rows=rows), indent=1))
     print(f"\n{props.name}; torch {torch.__version__}, triton {triton.__version__}")
-    print(f"{'per SM':>6} {'products':>8} {'A from':>9} {'us/tile':>8} {'ns/HGMMA':>9}")
+    # us/tile: one program's tile; per SM: that over the programs sharing a multiprocessor.
+    print(
+        f"{'per SM':>6} {'products':>8} {'A from':>9} {'us/tile':>8} {'per SM':>7} {'ns/HGMMA':>9}"
+    )
     for r in rows:
         print(
             f"{r['programs_per_sm']:>6} {r['products']:>8} {r['a_from']:>9} "
-            f"{r['us_per_tile']:>8.3f} {r['ns_per_hgmma']:>9.2f}"
+            f"{r['us_per_tile']:>8.3f} {r['us_per_tile_per_sm']:>7.3f} {r['ns_per_hgmma']:>9.2f}"
         )
 
 

@@ -51,7 +51,10 @@ def main() -> None:
         modules[name] = (
             None if path == "package" else bd.load_kernel_source(path, f"wgmma_decode_{name}")
         )
-        launch_kw[name] = {k: int(v) for k, _, v in (e.partition("=") for e in extras)}
+        pairs = [e.partition("=") for e in extras]
+        if any(not k or not v.lstrip("-").isdigit() for k, _, v in pairs):
+            ap.error(f"--sources: launch keywords are +key=int, got {item!r}")
+        launch_kw[name] = {k: int(v) for k, _, v in pairs}
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
