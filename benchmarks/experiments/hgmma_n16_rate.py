@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_decode as bd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from mla_ops.wgmma_decode import _conversion_layout, _thread_barrier
+from mla_ops.wgmma_decode import _conversion_layout, _convert_chunk, _thread_barrier
 
 # CONVERT: no float8 conversion, one after the products (serial), one while P.V is in flight.
 NO_CONVERSION = gl.constexpr(0)
@@ -48,11 +48,12 @@ CONVERT_UNDER_PV = gl.constexpr(2)
 
 @gluon.jit
 def _convert_tile(src8, dst16, CHUNK: gl.constexpr, conv: gl.constexpr):
-    """The decode kernel's conversion of a float8 tile to fp16 (no stale rows), then the fence
-    and barrier that precede a wgmma reading it."""
+    """The decode kernel's conversion of a float8 tile to fp16 (``_convert_chunk``, a whole tile:
+    no stale rows), then the fence and barrier that precede a wgmma reading it."""
+    BN: gl.constexpr = src8.shape[0]
     WIDTH: gl.constexpr = src8.shape[1]
     for c in gl.static_range(0, WIDTH, CHUNK):
-        dst16.slice(c, CHUNK, dim=1).store(src8.slice(c, CHUNK, dim=1).load(conv).to(gl.float16))
+        _convert_chunk(src8, dst16, c, 0, BN, CHUNK, conv)
     fence_async_shared()
     _thread_barrier()
 
@@ -159,8 +160,9 @@ def main() -> None:
     sms = props.multi_processor_count
     out = torch.zeros(2 * sms, device="cuda")
     if args.convert:
-        # 96-188 KB of operands with the conversion's two tiles (unused ones are not
-        # allocated), and a 32 KB pad: 124-225 KB, one program per SM.
+        # 92 KB of operands, the conversion's two tiles (96 KB) where it runs, and a 32 KB pad
+        # whose space Triton reuses once it is dead: 127-193 KB per program (offline sm_90
+        # compile), one per SM.
         configs = [
             (1, 256, name, scores, pv, False, convert)
             for name, scores, pv, convert in (
