@@ -616,8 +616,9 @@ def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_
     """Ring slots of the wgmma kernel: three where they fit in ``shared_memory`` (a float8 cache
     at 32 rows), else two (the fewest its pipeline takes). 16-row programs take two: over a
     float8 cache three were 1-2.5 % slower on four H100 machines (a8, d8, e8; NOTES.md item 51),
-    their loop being bound by its one math warpgroup's work per tile, not by the bytes in flight
-    (items 52 and 54)."""
+    their loop being bound by its one math warpgroup's chain of work per tile (its shared-memory
+    traffic, item 55), not by the bytes in flight; a float8 query's loop, nearer its copies, was
+    2-5 % slower with three too (items 52-56)."""
     if block_m <= 16:
         return 2
     fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory
