@@ -481,6 +481,27 @@ def load_kernel_source(path: str | Path, name: str):
     return module
 
 
+def parse_sources(spec: str) -> tuple[dict[str, object], dict[str, dict[str, int]]]:
+    """An A/B run's ``--sources``, ``name=path[+key=int...],...``: each name's ``wgmma_decode``
+    module (``None`` for the path ``package``: the package's own) and its launch keywords (e.g.
+    ``+num_stages=3``). Raises ``ValueError`` naming the malformed item."""
+    modules: dict[str, object] = {}
+    launch_kw: dict[str, dict[str, int]] = {}
+    for item in spec.split(","):
+        name, _, rest = item.partition("=")
+        path, *extras = rest.split("+")
+        if not name or not path:
+            raise ValueError(f"--sources: expected name=path, got {item!r}")
+        pairs = [e.partition("=") for e in extras]
+        if any(not k or not v.lstrip("-").isdigit() for k, _, v in pairs):
+            raise ValueError(f"--sources: launch keywords are +key=int, got {item!r}")
+        modules[name] = (
+            None if path == "package" else load_kernel_source(path, f"wgmma_decode_{name}")
+        )
+        launch_kw[name] = {k: int(v) for k, _, v in pairs}
+    return modules, launch_kw
+
+
 def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **extra) -> None:
     """An experiment's rows as ``out/name.json``, with the device, versions and ceilings."""
     folder = Path(out)

@@ -102,11 +102,13 @@ def compile_wgmma(
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
-    longest_first: bool = False, one_scorer: bool = False,
+    longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
-    by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA."""
+    by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
+    ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice).
+    """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -124,6 +126,10 @@ def compile_wgmma(
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
         KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.GATHER_CHUNK), GATHER=gather,
+        FLOAT8_PRODUCTS=(
+            wd.default_float8_products(rows, kv_len, kv_dtype == "fp8e4nv", gather)
+            if float8_products is None else float8_products
+        ),
         FILL_EMPTY=False,
         PRODUCER_WARPS=(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps

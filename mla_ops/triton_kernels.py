@@ -601,7 +601,9 @@ def wgmma_shared_memory(
 ) -> int:
     """Upper bound on the wgmma kernel's shared memory in bytes: the 16-bit query block, the KV
     ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. ``float8``: kv_c
-    in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into. 64 rows,
+    in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into (16-row
+    programs that multiply in float8, ``wgmma_decode.default_float8_products``, need no such
+    tile and take less: 93,740 bytes at two slots, offline sm_90). 64 rows,
     L=512, R=64, 16-bit: 231424 (the offline sm_90 compile allocates 230416; an H100 allows
     232448)."""
     from .wgmma_decode import BLOCK_N
@@ -618,7 +620,8 @@ def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_
     float8 cache three were 1-2.5 % slower on four H100 machines (a8, d8, e8; NOTES.md item 51),
     their loop being bound by its one math warpgroup's chain of work per tile (its shared-memory
     traffic, item 55), not by the bytes in flight; a float8 query's loop, nearer its copies, was
-    2-5 % slower with three too (items 52-56)."""
+    2-5 % slower with three too (items 52-56), and float8 products with three to five slots 2.5-8 %
+    slower on the H100, where the copies alone ran as fast with two as with five (item 57)."""
     if block_m <= 16:
         return 2
     fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory
@@ -844,12 +847,16 @@ def _launch_wgmma(
         rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
     LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
     LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
+    float8_products = wgmma_decode.default_float8_products(block_m, kv_len, float8, gather)
+    LAST_LAUNCH["wgmma_float8_products"] = float8_products
     longest_first = wgmma_decode.default_longest_first(
         q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m or one_scorer
     )
     LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
     if log.isEnabledFor(logging.DEBUG):
         loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
+        if float8_products:
+            loop += " float8-products"
         log.debug(
             "mla::decode wgmma: %d-row %s programs (%s loads, %s cache), %s",
             block_m, loop, loads, kv_c.dtype, LAST_LAUNCH["wgmma_order"],
@@ -861,7 +868,7 @@ def _launch_wgmma(
             num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
             lengths_per_step=LENGTHS_PER_STEP, gather=gather, fill_empty=fill_empty,
             producer_warps=producer_warps, rows_on_m=rows_on_m, one_scorer=one_scorer,
-            merge_into=merge_into, longest_first=longest_first,
+            merge_into=merge_into, longest_first=longest_first, float8_products=float8_products,
         )  # fmt: skip
 
 

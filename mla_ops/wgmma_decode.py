@@ -48,7 +48,18 @@ and a sequence in several has each chunk store its float32 partial and count its
 per-row-block counter (release/acquire at gpu scope); the chunk that arrives last merges them
 (``_merge_splits``) and resets the counter, so no ``mla::combine`` runs.
 
-A float8 ``kv_c`` tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
+A float8 ``kv_c`` tile in 16-row programs of DeepSeek's width (L = 512, copy-engine tiles) is
+multiplied in float8 (``FLOAT8_PRODUCTS``, ``default_float8_products``), as FlashMLA's and
+FlashAttention-3's float8 kernels do: the nope scores by float8 wgmma straight from the ring slot,
+with the query as two e4m3 terms (its rounding and its remainder, side by side as N = 32 rows, so
+that the scores keep about bf16's precision); ``V^T`` read from the slot into the wgmma's A
+registers (16-byte loads, bytes transposed in registers; the output's rows are a fixed
+permutation of the latent columns, ``_latent_column``); and P in e4m3 (times ``P_E4M3_SCALE``).
+No staging tile and no conversion (NOTES.md item 57). The error against the bf16 result is the
+float8 cache's own (6.07e-2 against 6.00e-2 on (a8)); against float64 attention over the
+dequantised cache it is about 1e-2 (P's rounding), against 1.7e-3.
+
+Every other float8 tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
 of fp16) into one shared-memory staging tile that both products read. wgmma's own float8 form
 needs both operands K-major, which ``V^T`` in ``O^T = V^T P^T`` is not. The query's nope part is
 stored as fp16, moved into fp16's range by a power of two (as the Triton kernel does); the nope
@@ -66,6 +77,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _gluon_builtin
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -82,12 +94,51 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # Likewise for the per-thread asynchronous copy (``cp.async``): ``async_load`` in later releases.
 _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+
+
+@_gluon_builtin
+def _reinterpret(desc, dtype, shape, layout, _semantic=None):
+    """``desc`` (shared memory) seen as another dtype, shape and layout: ``_reinterpret`` in
+    Triton 3.6, ``reinterpret`` in later Gluon releases."""
+    view = getattr(desc, "reinterpret", None) or desc._reinterpret
+    return view(dtype, shape, layout, _semantic=_semantic)
+
+
 # The barrier of all threads executing the region (a partition's own under warp specialisation):
 # ``thread_barrier`` in Triton 3.6, ``barrier`` later.
 _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 # Tokens per KV tile: the M of every wgmma (64 is the instruction's M for one warpgroup).
 BLOCK_N = 64
+
+# FLOAT8_PRODUCTS: a float8 ring slot [64 tokens, 512] (128-byte swizzle: four [64, 128-byte]
+# slabs, each row's 16-byte units XOR the row's low 3 bits) seen as V^T [512 (m), 64 (k)] for
+# the wgmma's A registers. In that operand thread (warp w, lane 4g + q) holds rows m = 64 b +
+# 16 w + 8 h + g (b the 64-row block, h = 0, 1) of tokens 4q + {0..3} (+ 16, 32, 48); row m is
+# given latent column c = 128 w + 16 g + 4 (b >> 1) + 2 (b & 1) + h, so that the 16 rows a
+# thread holds of one token are 16 contiguous bytes of the slot (one 16-byte load; the bytes are
+# then transposed in registers). Offset bit i of the slot -> (m, k):
+_VT_OFFSET_BASES = gl.constexpr([
+    [8, 0], [64, 0], [128, 0], [256, 0],  # the 16 contiguous bytes: c bits 0-3
+    [1, 0], [2, 0], [4, 0],  # the 16-byte unit (c bits 4-6), unswizzled
+    [1, 1], [2, 2], [4, 4],  # token bits 0-2, with the swizzle they XOR into the unit
+    [0, 8], [0, 16], [0, 32],  # token bits 3-5
+    [16, 0], [32, 0],  # the slab (c bits 7-8)
+])  # fmt: skip
+# The wgmma A operand's layout (``DotOperandLayout(0, ..., k_width=4)`` of [512, 64] e4m3 with 4
+# warps) with its register bases reordered so that the first four are the 16 contiguous bytes;
+# converting from it to the operand is a permutation of each thread's registers.
+_VT_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[8, 0], [64, 0], [128, 0], [256, 0], [0, 1], [0, 2], [0, 16], [0, 32]],
+    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+    block_bases=[], shape=[512, 64],
+))  # fmt: skip
+# P (at most 1) is stored in e4m3 times this, well inside e4m3's 448, so that small weights keep
+# their bits; the output takes it back.
+P_E4M3_SCALE = gl.constexpr(256.0)
+# The query's second e4m3 term is its remainder after rounding times this: at most half an e4m3
+# step (1/16 of the value), so at most 28 x 16 = 448.
+QUERY_REMAINDER_SCALE = gl.constexpr(16.0)
 
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
 # ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
@@ -622,6 +673,92 @@ def _tile_scores(
 
 
 @gluon.jit
+def _float8_tile(
+    kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
+    NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
+    vt_layout: gl.constexpr,
+):  # fmt: skip
+    """``FLOAT8_PRODUCTS``: wait for the float8 tile at ring position ``pos`` (its rows past
+    ``end`` zeroed in the slot), score it by float8 wgmma straight from the slot against the
+    query's two e4m3 terms (``_store_query``) and, under those products, read ``V^T`` into the
+    wgmma A operand ``vt_layout`` (rows permuted: ``_VT_OFFSET_BASES``). Returns the scores
+    ``S^T`` (``s_zero``'s layout, complete) and ``V^T``.
+
+    The slot goes back to the copy engine only once P.V, which reads ``V^T``'s registers, has
+    completed (``_consume_tiles``): handed back as soon as its loads were issued (after a proxy
+    fence and a barrier of the warps) it was 1.7 % slower on (a8), and handed back without
+    them, loads still queued read the next tile's bytes (an H200 measured wrong outputs, and NaN
+    from stale rows; NOTES.md item 57)."""
+    BLOCK_N: gl.constexpr = s_zero.shape[0]
+    BLOCK_M: gl.constexpr = s_zero.shape[1]
+    L: gl.constexpr = q_smem.shape[1]
+    slot = pos % NUM_STAGES
+    kv = _await_tile(kv_ring, ready, pos, tile_start, end, NUM_STAGES, False, False, io_layout)
+    if tile_start + BLOCK_N > end:
+        _zero_stale_byte_rows(kv, tile_start, end)
+    # Both query terms as one N = 2 BLOCK_M product: the slot is read once.
+    s2_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 2 * BLOCK_M, 32]
+    )
+    s2 = gl.zeros([BLOCK_N, 2 * BLOCK_M], gl.float32, layout=s2_layout)
+    s2 = warpgroup_mma(kv, q_smem.permute((1, 0)), s2, use_acc=False, is_async=True)
+    if HAS_PE:
+        s_pe = warpgroup_mma(
+            pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
+        )  # fmt: skip
+    vt_view = _reinterpret(
+        kv, gl.float8e4nv, [L, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
+    )  # fmt: skip
+    v_t = gl.convert_layout(vt_view.load(_VT_LOAD_LAYOUT), vt_layout, assert_trivial=True)
+    if HAS_PE:
+        s2, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s_pe))
+    else:
+        s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
+    # Columns [0, BLOCK_M) scored the rounded query, the rest its remainder.
+    s_round, s_rest = gl.split(gl.permute(gl.reshape(s2, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
+    s_t = gl.convert_layout(s_round + s_rest * (1.0 / QUERY_REMAINDER_SCALE), s_zero.type.layout)
+    s_t = s_t * nope_scale
+    if HAS_PE:
+        s_t = s_t + s_pe
+    return s_t, v_t
+
+
+@gluon.jit
+def _zero_stale_byte_rows(kv, tile_start, end):
+    """Zero the rows at or past ``end`` of a float8 ring slot ``kv [BLOCK_N, L]`` (128-byte
+    swizzle), as 32-bit words: each row's bytes are the 128-byte segments at ``slab * BLOCK_N *
+    128 + row * 128`` (the swizzle only permutes 16-byte units within a segment), so the rows
+    are found without the swizzle and no byte is selected alone (``_await_tile``'s zeroing,
+    in 16-bit-sized rows of e4m3 values, takes a select and repacking per byte). Fenced for the
+    tensor cores, and a barrier: every warp then reads ``V^T`` rows that others zeroed."""
+    BLOCK_N: gl.constexpr = kv.shape[0]
+    SEGMENTS: gl.constexpr = kv.shape[1] // 128
+    num_warps: gl.constexpr = gl.num_warps()
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [num_warps, 1], [1, 0])
+    words = _reinterpret(
+        kv, gl.int32, [SEGMENTS * BLOCK_N, 32], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    )  # fmt: skip
+    rows = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    for segment in gl.static_range(SEGMENTS):
+        part = words.slice(segment * BLOCK_N, BLOCK_N, dim=0)
+        w = part.load(layout)
+        part.store(gl.where((rows < end)[:, None], w, gl.zeros_like(w)))
+    fence_async_shared()
+    _thread_barrier()
+
+
+@gluon.jit
+def _latent_column(m):
+    """The latent column that row ``m`` of a float8-products program's ``O^T`` holds
+    (``_VT_OFFSET_BASES``): ``m = 64 b + 16 w + 8 h + g`` -> ``128 w + 16 g + 4 (b >> 1) +
+    2 (b & 1) + h``."""
+    return (
+        ((m >> 4) & 3) * 128 + (m & 7) * 16 + ((m >> 7) & 3) * 4 + ((m >> 6) & 1) * 2
+        + ((m >> 3) & 1)
+    )  # fmt: skip
+
+
+@gluon.jit
 def _load_query(
     Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q: gl.constexpr,
     H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -648,14 +785,32 @@ def _load_query(
 
 @gluon.jit
 def _store_query(
-    q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr
+    q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr,
+    FLOAT8_PRODUCTS: gl.constexpr = False,
 ):  # fmt: skip
     """``_load_query``'s parts into shared memory (``q_smem [BLOCK_M, L]``, ``qpe_smem``).
     Returns the nope scores' scale (``kv_scale``, times the power of two below for a float8
-    cache)."""
+    cache). ``FLOAT8_PRODUCTS``: ``q_smem`` is e4m3 ``[2 BLOCK_M, L]``, the query's rounding
+    in its first ``BLOCK_M`` rows and the remainder times ``QUERY_REMAINDER_SCALE`` in the
+    others."""
     dtype: gl.constexpr = q_smem.dtype
     nope_scale = kv_scale
-    if KV_FP8:
+    if FLOAT8_PRODUCTS:
+        # A power of two puts the largest value in (224, 448], e4m3's top octave.
+        q32 = q_nope.to(gl.float32)
+        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max / 448.0)), 0.0)
+        q32 = q32 * gl.exp2(-q_shift)
+        # Rounded to e4m3's 4 significant bits in float32 (exact in e4m3 for normal values),
+        # not by converting the e4m3 values back: Triton 3.6's e4m3 -> float32 of this layout
+        # returned other elements' values (measured on an H200; NOTES.md item 57).
+        bits = q32.to(gl.int32, bitcast=True)
+        q_round = ((bits + 0x80000) & -1048576).to(gl.float32, bitcast=True)
+        q_terms = gl.join(q_round.to(dtype), ((q32 - q_round) * QUERY_REMAINDER_SCALE).to(dtype))
+        q_terms = gl.permute(q_terms, (2, 0, 1))  # [2, BLOCK_M, L]
+        q_smem.store(gl.reshape(q_terms, [2 * q_nope.shape[0], q_nope.shape[1]]))
+        nope_scale = kv_scale * gl.exp2(q_shift)
+    elif KV_FP8:
         # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
         # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
         # scores take it back with kv_scale, in float32 (_tile_scores).
@@ -773,10 +928,12 @@ def _consume_tiles(
     H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
     KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
-    STAMPS: gl.constexpr,
+    STAMPS: gl.constexpr, FLOAT8_PRODUCTS: gl.constexpr = False,
 ):  # fmt: skip
     """The math warps: the query into shared memory, then for each tile its scores, the online
     softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
+    ``FLOAT8_PRODUCTS``: float8 products (``_float8_tile``); ``O^T``'s rows are then permuted
+    (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
 
     With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
     without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
@@ -791,10 +948,12 @@ def _consume_tiles(
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, WG], instr_shape=[16, BLOCK_M // WG, 16]
     )
-    # O^T [L, BLOCK_M]: warpgroups split the L latent columns.
+    # O^T [L, BLOCK_M]: warpgroups split the L latent columns. (float8 wgmma's K is 32; the
+    # accumulator's layout is the same as for K = 16.)
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16]
-    )
+        version=[3, 0], warps_per_cta=[num_warps, 1],
+        instr_shape=[16, BLOCK_M, 32 if FLOAT8_PRODUCTS else 16],
+    )  # fmt: skip
     io_layout: gl.constexpr = _copy_layouts(num_warps, KV_FP8)[0]
     CONV_CHUNK: gl.constexpr = _conversion_chunk(L)
     conv_layout: gl.constexpr = _conversion_layout(num_warps, CONV_CHUNK)
@@ -804,7 +963,9 @@ def _consume_tiles(
         Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R, BLOCK_M,
         HAS_PE, io_layout,
     )  # fmt: skip
-    nope_scale = _store_query(q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, KV_FP8)
+    nope_scale = _store_query(
+        q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, KV_FP8, FLOAT8_PRODUCTS
+    )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
     last_key, m_i = _row_start(
@@ -818,6 +979,9 @@ def _consume_tiles(
         l_i = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     else:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
+    if FLOAT8_PRODUCTS:
+        gl.static_assert(num_warps == 4 and L == 512 and BLOCK_N == 64 and not GATHER)
+        vt_layout: gl.constexpr = gl.DotOperandLayout(0, o_layout, 4)
     o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
@@ -837,16 +1001,22 @@ def _consume_tiles(
                 PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
             )  # fmt: skip
             n_bad += bad
-        s_t = _tile_scores(
-            kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-            nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CONV_CHUNK, io_layout,
-            conv_layout, free, KV_FP8 and PRODUCER,
-        )  # fmt: skip
+        if FLOAT8_PRODUCTS:
+            s_t, v_t = _float8_tile(
+                kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
+                nope_scale, NUM_STAGES, HAS_PE, io_layout, vt_layout,
+            )  # fmt: skip
+        else:
+            s_t = _tile_scores(
+                kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
+                nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CONV_CHUNK, io_layout,
+                conv_layout, free, KV_FP8 and PRODUCER,
+            )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V
         # (with a producer partition, _tile_scores has handed it back already).
-        if KV_FP8 and not PRODUCER:
+        if KV_FP8 and not PRODUCER and not FLOAT8_PRODUCTS:
             _hand_back(
                 KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
                 next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
@@ -857,13 +1027,19 @@ def _consume_tiles(
             s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
         )
         o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
-        p_smem.store(p_t.to(dtype))
-        fence_async_shared()
-        v_tile = stage if KV_FP8 else kv_ring.index(slot)
-        o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
+        if FLOAT8_PRODUCTS:
+            # P^T K-major, as float8 wgmma's B must be: p_smem is [BLOCK_M, BLOCK_N] e4m3.
+            p_smem.store(gl.permute((p_t * P_E4M3_SCALE).to(gl.float8e4nv), (1, 0)))
+            fence_async_shared()
+            o_t = warpgroup_mma(v_t, p_smem.permute((1, 0)), o_t, is_async=True)
+        else:
+            p_smem.store(p_t.to(dtype))
+            fence_async_shared()
+            v_tile = stage if KV_FP8 else kv_ring.index(slot)
+            o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
         o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
-        # The slot is free again.
-        if not KV_FP8:
+        # The slot is free again (a float8-products slot too: P.V has read V^T's registers).
+        if not KV_FP8 or FLOAT8_PRODUCTS:
             _hand_back(
                 KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
                 next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
@@ -1237,6 +1413,7 @@ def _mla_decode_wgmma_kernel(
     BALANCED: gl.constexpr,
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
+    FLOAT8_PRODUCTS: gl.constexpr,  # KV_FP8, 16 rows, L = 512, TMA: float8 wgmma, no conversion
     CHUNK: gl.constexpr,  # columns gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
@@ -1278,6 +1455,9 @@ def _mla_decode_wgmma_kernel(
             and PRODUCER_WARPS == 0 and not ROWS_ON_M
         )
     )  # fmt: skip
+    gl.static_assert(
+        not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
+    )
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -1363,9 +1543,16 @@ def _mla_decode_wgmma_kernel(
         return
 
     # Shared memory: the query block (the wgmma's B operand, as Q^T views), the KV ring, P^T.
-    q_smem = gl.allocate_shared_memory(
-        dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
-    )
+    if FLOAT8_PRODUCTS:
+        # The query's two e4m3 terms (_store_query).
+        q_smem = gl.allocate_shared_memory(
+            gl.float8e4nv, [2 * BLOCK_M, L],
+            gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, L], gl.float8e4nv),
+        )  # fmt: skip
+    else:
+        q_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
+        )
     if GATHER:
         kv_ring = gl.allocate_shared_memory(
             KV.dtype.element_ty, [NUM_STAGES, BLOCK_N, L],
@@ -1373,7 +1560,7 @@ def _mla_decode_wgmma_kernel(
         )  # fmt: skip
     else:
         kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
-    if KV_FP8:
+    if KV_FP8 and not FLOAT8_PRODUCTS:
         stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
         )
@@ -1393,7 +1580,12 @@ def _mla_decode_wgmma_kernel(
     else:
         qpe_smem = q_smem
         pe_ring = kv_ring
-    if ROWS_ON_M or ONE_SCORER:
+    if FLOAT8_PRODUCTS:
+        p_smem = gl.allocate_shared_memory(
+            gl.float8e4nv, [BLOCK_M, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv),
+        )  # fmt: skip
+    elif ROWS_ON_M or ONE_SCORER:
         p_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], dtype),
@@ -1446,7 +1638,7 @@ def _mla_decode_wgmma_kernel(
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
                         stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
                         PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER,
-                        True, STAMPS,
+                        True, STAMPS, FLOAT8_PRODUCTS,
                     ),
                 ),
                 (
@@ -1552,7 +1744,7 @@ def _mla_decode_wgmma_kernel(
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
                 STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
-                CHUNK, GATHER, False, STAMPS,
+                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
@@ -1570,8 +1762,11 @@ def _mla_decode_wgmma_kernel(
         m_st = gl.convert_layout(m_i, gl.SliceLayout(0, st_layout))
         lse, l_safe = _row_lse(m_st, l_st, n_bad > 0)
         # kv_scale: V is the dequantised kv_c (1.0 for a 16-bit cache).
-        out_t = gl.convert_layout(o_t, st_layout) * (kv_scale / l_safe)[None, :]
+        out_scale = kv_scale / P_E4M3_SCALE if FLOAT8_PRODUCTS else kv_scale
+        out_t = gl.convert_layout(o_t, st_layout) * (out_scale / l_safe)[None, :]
         out_t = gl.where(n_bad > 0, float("nan"), out_t)
+        if FLOAT8_PRODUCTS:
+            offs_l_st = _latent_column(offs_l_st)
         if MERGE and n_real == 1:
             _store_partial_t(
                 OUT, LSE_OUT, out_t, lse, b64, s_st, h_st, 0, offs_l_st, row_ok_st, stride_fb,
@@ -1655,6 +1850,18 @@ def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
     return block_m == 64 and not float8 and not gather
 
 
+def default_float8_products(block_m: int, kv_len: int, float8: bool, gather: bool) -> bool:
+    """Whether a float8 ``kv_c`` is multiplied in float8 (``launch(float8_products=True)``,
+    ``_float8_tile``): 16-row programs (one math warpgroup, whose staged fp16 tile was bound by
+    its shared-memory traffic, NOTES.md item 55) of DeepSeek's width L = 512 (the ``V^T``
+    register operand's row permutation is built for it) over copy-engine tiles. On an H200
+    20 % faster than the fp16 products on (a8) (100 against 125 us), 17 % on (d8), 14 % on (e8);
+    on an H100, whose float8 loop runs at its copies' rate either way, level to 0.6 % slower
+    (NOTES.md item 57). 32- and 64-row programs (two math warpgroups) and gathered tiles keep the
+    fp16 staging tile."""
+    return float8 and block_m == 16 and kv_len == 512 and not gather
+
+
 def default_longest_first(
     batch: int, num_splits: int, total_splits: int | None, lengths_per_step: int, rows_on_m: bool
 ) -> bool:
@@ -1709,6 +1916,7 @@ def launch(
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
     longest_first: bool | None = None,
+    float8_products: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -1721,7 +1929,9 @@ def launch(
     and the two warpgroups splitting P.V (``_score_tiles``, ``_assist_tiles``; the op's choice
     is ``default_one_scorer``): ``num_warps`` is then warpgroup 0's 4, ``num_stages`` 2,
     copy-engine tiles of a 16-bit cache. longest_first: programs take the chunks longest first
-    (``_longest_first``; None: ``default_longest_first``), else split-major.
+    (``_longest_first``; None: ``default_longest_first``), else split-major. float8_products: a
+    float8 ``kv_c`` multiplied in float8 (``_float8_tile``; None: ``default_float8_products``),
+    else converted to fp16.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -1745,6 +1955,17 @@ def launch(
         producer_warps = 0
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    if float8_products is None:
+        float8_products = default_float8_products(block_m, kv_len, float8, gather)
+    elif float8_products and not (
+        float8 and block_m == 16 and num_warps == 4 and kv_len == 512 and not gather
+    ):
+        raise ValueError(
+            "float8_products: expected a float8_e4m3fn kv_c of width 512 in 16-row programs "
+            f"(4 warps) of copy-engine tiles; got kv_c {kv_c.dtype} of width {kv_len}, "
+            f"block_m={block_m}, num_warps={num_warps}, gather={gather}"
+        )
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
         # A one-scorer program keeps the rows-on-M order (its loop holds the chunk the same way).
@@ -1757,7 +1978,6 @@ def launch(
             f"lengths_per_step={lengths_per_step} sequences (got {batch}) and "
             f"{LONGEST_FIRST_MAX_SPLITS.value} splits (got {num_splits})"
         )
-    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     if gather:
         kv_desc = pe_desc = None
     else:
@@ -1824,6 +2044,7 @@ def launch(
         BALANCED=total_splits is not None,
         BLOCK_B=lengths_per_step,
         KV_FP8=float8,
+        FLOAT8_PRODUCTS=float8_products,
         CHUNK=min(kv_len, GATHER_CHUNK),
         GATHER=gather,
         FILL_EMPTY=fill_empty,

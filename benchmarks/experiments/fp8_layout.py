@@ -12,7 +12,8 @@ float8 output is checked against float64 attention over the dequantised cache fi
 
 It also serves as the A/B harness of NOTES.md item 37: ``--cases`` takes ``X8`` (case ``X`` over
 a float8 cache, e.g. ``b8``: 128 heads) and plain 16-bit cases (``d``; with ``--layouts bf16``),
-``--layouts`` a subset, ``--stages`` the float8 kernel's ring slots.
+``--layouts`` a subset, ``--stages`` the float8 kernel's ring slots, ``--sources`` other copies of
+the kernel's source in every float8 layout (``source_ab.py``'s syntax; NOTES.md item 57).
 """
 
 from __future__ import annotations
@@ -108,7 +109,15 @@ def main() -> None:
         "--stages", type=int, default=None,
         help="ring slots of the float8 layouts' kernel (default: the op's wgmma_stages)",
     )  # fmt: skip
+    ap.add_argument(
+        "--sources", default=None,
+        help="name=path[+key=int...],...: kernel source copies also run in each float8 layout",
+    )  # fmt: skip
     args = ap.parse_args()
+    try:
+        modules, launch_kw = bd.parse_sources(args.sources) if args.sources else ({}, {})
+    except ValueError as e:
+        ap.error(str(e))
     layouts = args.layouts.split(",")
     if unknown := set(layouts) - set(LAYOUTS):
         ap.error(f"--layouts: unknown {sorted(unknown)}; expected some of {LAYOUTS}")
@@ -123,12 +132,18 @@ def main() -> None:
         for layout in layouts:
             views = [CacheView(inp, layout) for inp in copies]
             ring = {} if args.stages is None or layout == "bf16" else {"num_stages": args.stages}
-            fns = [bd.wgmma_call(v, *plan, **ring) for v in views]
-            seconds, err = bd.time_call(fns, None if layout == "bf16" else ref)
-            own_floor = floor_bf16 if layout == "bf16" else floor
-            row[layout] = dict(us=seconds * 1e6, rel_err=err, roofline=own_floor / seconds)
-            print(name, layout, f"{seconds * 1e6:.1f} us", f"err {err:.1e}", flush=True)
-            del views, fns
+            variants = {layout: dict(ring)}
+            if layout != "bf16":
+                for src, module in modules.items():
+                    variants[f"{layout} / {src}"] = dict(module=module, **launch_kw[src])
+            for key, kw in variants.items():
+                fns = [bd.wgmma_call(v, *plan, **kw) for v in views]
+                seconds, err = bd.time_call(fns, None if layout == "bf16" else ref)
+                own_floor = floor_bf16 if layout == "bf16" else floor
+                row[key] = dict(us=seconds * 1e6, rel_err=err, roofline=own_floor / seconds)
+                print(name, key, f"{seconds * 1e6:.1f} us", f"err {err:.1e}", flush=True)
+                del fns
+            del views
         rows.append(row)
         del copies
         torch.cuda.empty_cache()
@@ -136,10 +151,10 @@ def main() -> None:
     print(f"\n{props.name}; torch {torch.__version__}, triton {triton.__version__}; {ceil}")
     for r in rows:
         base = r["bf16"]["us"] if "bf16" in r else float("nan")
-        for layout in layouts:
-            v = r[layout]
+        for key in [k for k in r if isinstance(r[k], dict)]:
+            v = r[key]
             print(
-                f"{r['case']:4} {layout:16} {v['us']:8.1f} us  {base / v['us']:5.2f}x of bf16  "
+                f"{r['case']:4} {key:28} {v['us']:8.1f} us  {base / v['us']:5.2f}x of bf16  "
                 f"{v['roofline']:.2f} of its roofline  err {v['rel_err']:.1e}"
             )
 

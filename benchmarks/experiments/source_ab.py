@@ -42,20 +42,12 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="source_ab", help="the JSON's file name under --out")
     args = ap.parse_args()
-    modules = {"package": None}
-    launch_kw = {"package": {}}
-    for item in args.sources.split(","):
-        name, _, spec = item.partition("=")
-        path, *extras = spec.split("+")
-        if not path:
-            ap.error(f"--sources: expected name=path, got {item!r}")
-        modules[name] = (
-            None if path == "package" else bd.load_kernel_source(path, f"wgmma_decode_{name}")
-        )
-        pairs = [e.partition("=") for e in extras]
-        if any(not k or not v.lstrip("-").isdigit() for k, _, v in pairs):
-            ap.error(f"--sources: launch keywords are +key=int, got {item!r}")
-        launch_kw[name] = {k: int(v) for k, _, v in pairs}
+    try:
+        extra_modules, extra_kw = bd.parse_sources(args.sources)
+    except ValueError as e:
+        ap.error(str(e))
+    modules = {"package": None, **extra_modules}
+    launch_kw = {"package": {}, **extra_kw}
     props = torch.cuda.get_device_properties(0)
     ceil = bd.ceilings()
     rows = []
