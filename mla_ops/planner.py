@@ -126,6 +126,8 @@ def programs_per_sm(query_rows: int, wgmma: bool = False) -> int:
     registers per thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x
     8 warps (1 fits). The Gluon wgmma kernel (``wgmma=True``) holds two or three 64-token KV tiles
     in flight, 164 KB (16 rows) to 225 KB (64 rows) of shared memory: 1 fits (NOTES.md items 23-25).
+    16-row programs that multiply a float8 cache in float8 take 102 KB, but 255 registers x 160
+    threads: 1 fits there too (item 57).
     """
     if wgmma:
         return 1
