@@ -603,7 +603,7 @@ def wgmma_shared_memory(
     ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. ``float8``: kv_c
     in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into (16-row
     programs that multiply in float8, ``wgmma_decode.default_float8_products``, need no such
-    tile and take less: 93,740 bytes at two slots, offline sm_90). 64 rows,
+    tile and take less: 101,932 bytes at two slots, offline sm_90). 64 rows,
     L=512, R=64, 16-bit: 231424 (the offline sm_90 compile allocates 230416; an H100 allows
     232448)."""
     from .wgmma_decode import BLOCK_N
@@ -620,8 +620,9 @@ def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_
     float8 cache three were 1-2.5 % slower on four H100 machines (a8, d8, e8; NOTES.md item 51),
     their loop being bound by its one math warpgroup's chain of work per tile (its shared-memory
     traffic, item 55), not by the bytes in flight; a float8 query's loop, nearer its copies, was
-    2-5 % slower with three too (items 52-56), and float8 products with three to five slots 2.5-8 %
-    slower on the H100, where the copies alone ran as fast with two as with five (item 57)."""
+    2-5 % slower with three too (items 52-56), and float8 products (their first build) with three
+    to five slots 2.3-8 % slower on the H100, where the copies alone ran as fast with two as with
+    five (item 57)."""
     if block_m <= 16:
         return 2
     fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory

@@ -728,9 +728,11 @@ def _zero_stale_byte_rows(kv, tile_start, end):
     """Zero the rows at or past ``end`` of a float8 ring slot ``kv [BLOCK_N, L]`` (128-byte
     swizzle), as 32-bit words: each row's bytes are the 128-byte segments at ``slab * BLOCK_N *
     128 + row * 128`` (the swizzle only permutes 16-byte units within a segment), so the rows
-    are found without the swizzle and no byte is selected alone (``_await_tile``'s zeroing,
-    in 16-bit-sized rows of e4m3 values, takes a select and repacking per byte). Fenced for the
-    tensor cores, and a barrier: every warp then reads ``V^T`` rows that others zeroed."""
+    are found without the swizzle and no byte is selected alone. ``_await_tile``'s zeroing (a
+    select and repacking per e4m3 byte) in its place was as correct and 3.3 % slower on (e8),
+    whose ragged chunks mostly end in a partial tile (H200: 64.2-64.4 against 62.2-62.3 us;
+    (a8) and (d8) 0.3-0.5 %; NOTES.md item 57). Fenced for the tensor cores, and a barrier: every
+    warp then reads ``V^T`` rows that others zeroed."""
     BLOCK_N: gl.constexpr = kv.shape[0]
     SEGMENTS: gl.constexpr = kv.shape[1] // 128
     num_warps: gl.constexpr = gl.num_warps()
