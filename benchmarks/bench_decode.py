@@ -21,7 +21,9 @@ Method
   the cases (clean L2). Eager (un-graphed) time is reported beside the graph time.
 - roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
-- Case ``a8``: (a) over a float8 cache; ``am``: (a) with an all-visible bf16 ``attn_mask``,
+- Case ``a8``: (a) over a float8 ``kv_c`` with a bf16 ``k_pe`` (FlashMLA's 640-byte rows);
+  ``a8e``: the whole row in float8 under one scale (576 bytes, vLLM's ``fp8`` MLA cache);
+  ``am``: (a) with an all-visible bf16 ``attn_mask``,
   what every decode step of a rewritten Hugging Face model passes (peers skip both).
 - Every implementation's output is checked against a float32 torch reference before timing.
 - Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
@@ -65,6 +67,9 @@ class Case:
     page_size: int = 64
     ragged: bool = False
     fp8: bool = False  # kv_c in float8 e4m3 (per-tensor scale), k_pe kept in bf16
+    # With fp8: k_pe in e4m3 too, the whole [.., L+R] row quantised under one scale (576 bytes a
+    # token: vLLM's fp8 MLA cache) instead of FlashMLA's 640-byte rows with a bf16 RoPE part.
+    fp8_rope: bool = False
     # An all-visible bf16 attn_mask (zeros), as the rewritten Hugging Face decode step passes.
     mask: bool = False
 
@@ -78,6 +83,7 @@ CASES = {
     "f": Case("f", 64, 128, 4096, s_q=2),
     "g": Case("g", 128, 16, 4096, page_size=1),
     "a8": Case("a8", 128, 16, 4096, fp8=True),
+    "a8e": Case("a8e", 128, 16, 4096, fp8=True, fp8_rope=True),
     "am": Case("am", 128, 16, 4096, mask=True),
 }
 
@@ -148,9 +154,13 @@ class Inputs:
         self.cache_seqlens = lengths.to(dev, torch.int32)
         self.q = torch.randn(b, case.s_q, case.heads, L + R, generator=gen).to(dev, dt)
         self.lengths = lengths
-        # fp8: the decode reads (kv_c_fp8, k_pe bf16); the bf16 cache stays the reference.
-        self.kv_c_fp8, self.kv_scale = None, None
-        if case.fp8:
+        # fp8: the decode reads (kv_c_fp8, k_pe bf16), or with fp8_rope both halves of one
+        # e4m3 tensor [pages, page_size, L+R]; the bf16 cache stays the reference.
+        self.kv_c_fp8, self.k_pe_fp8, self.kv_scale = None, None, None
+        if case.fp8 and case.fp8_rope:
+            kv_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache)
+            self.kv_c_fp8, self.k_pe_fp8 = kv_fp8[..., :L], kv_fp8[..., L:]
+        elif case.fp8:
             self.kv_c_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache[..., :L])
         self.attn_mask = None  # [B, S_q, capacity] bf16 zeros: every key visible
         if case.mask:
@@ -168,7 +178,10 @@ class Inputs:
         )  # fmt: skip
 
     def decode_cache(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``(kv_c, k_pe)`` pair the decode reads (kv_c in fp8 for fp8 cases)."""
+        """The ``(kv_c, k_pe)`` pair the decode reads (kv_c in fp8 for fp8 cases, k_pe too with
+        ``fp8_rope``)."""
+        if self.k_pe_fp8 is not None:
+            return self.kv_c_fp8, self.k_pe_fp8
         if self.kv_c_fp8 is not None:
             return self.kv_c_fp8, self.kv_cache[..., L:]
         return self.kv_cache[..., :L], self.kv_cache[..., L:]
@@ -345,7 +358,7 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
     elt = 2
     q_bytes = case.batch * case.s_q * case.heads * (L + R) * elt
     o_bytes = case.batch * case.s_q * case.heads * L * elt
-    row_bytes = (L * 1 + R * elt) if case.fp8 else (L + R) * elt
+    row_bytes = (L + R * (1 if case.fp8_rope else elt)) if case.fp8 else (L + R) * elt
     nbytes = tokens * row_bytes + q_bytes + o_bytes
     if inp.attn_mask is not None:
         nbytes += inp.attn_mask.numel() * inp.attn_mask.element_size()
@@ -793,11 +806,13 @@ def main() -> None:
         f"matches eager: {graph['matches_eager']}"
     )
     ours = {r.case: r for r in rows if r.impl == "mla_decode" and r.time_us}
-    if "a" in ours and "a8" in ours:
-        print(
-            f"fp8 cache (a8) vs bf16 (a): {ours['a'].time_us / ours['a8'].time_us:.2f}x faster, "
-            f"rel_err vs the bf16-cache reference {ours['a8'].rel_err:.1e}"
-        )
+    for name, what in (("a8", "e4m3 kv_c, bf16 k_pe"), ("a8e", "all e4m3")):
+        if "a" in ours and name in ours:
+            print(
+                f"fp8 cache ({name}: {what}) vs bf16 (a): "
+                f"{ours['a'].time_us / ours[name].time_us:.2f}x faster, "
+                f"rel_err vs the bf16-cache reference {ours[name].rel_err:.1e}"
+            )
     if "a" in ours and "am" in ours:
         print(
             f"all-visible bf16 mask (am) vs none (a): "

@@ -103,11 +103,13 @@ def compile_wgmma(
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
+    pe_dtype: str | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
     by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
-    ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice).
+    ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice);
+    ``pe_dtype="fp8e4nv"``: k_pe in float8 too (float8 products only).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -130,6 +132,7 @@ def compile_wgmma(
             wd.default_float8_products(rows, kv_len, kv_dtype == "fp8e4nv", gather)
             if float8_products is None else float8_products
         ),
+        PE_FP8=pe_dtype == "fp8e4nv",
         FILL_EMPTY=False,
         PRODUCER_WARPS=(
             wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
@@ -163,7 +166,7 @@ def compile_wgmma(
             signature[name] = "constexpr"
         elif name in ("KV_DESC", "PE_DESC"):
             width = kv_len if name == "KV_DESC" else max(rope_len, 16)
-            name_dtype = kv_dtype if name == "KV_DESC" and kv_dtype else dtype
+            name_dtype = {"KV_DESC": kv_dtype, "PE_DESC": pe_dtype}[name] or dtype
             el = gl.float8e4nv if name_dtype == "fp8e4nv" else gl_dtype
             layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], el)
             signature[name] = f"tensordesc<{name_dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"

@@ -643,11 +643,18 @@ def wgmma_plan_path(
     if q.dtype not in (torch.bfloat16, torch.float16):
         return False, f"q is {q.dtype}, the wgmma kernel takes bf16/fp16"
     float8 = kv_c.dtype == torch.float8_e4m3fn
-    if (kv_c.dtype != q.dtype and not float8) or (k_pe.shape[-1] and k_pe.dtype != q.dtype):
+    pe_fp8 = bool(k_pe.shape[-1]) and k_pe.dtype == torch.float8_e4m3fn
+    if (kv_c.dtype != q.dtype and not float8) or (
+        k_pe.shape[-1] and k_pe.dtype != q.dtype and not (float8 and pe_fp8)
+    ):
         return False, (
             f"cache dtypes ({kv_c.dtype}, {k_pe.dtype}) are neither q's ({q.dtype}) nor a "
-            "float8_e4m3fn kv_c with k_pe in q's dtype"
+            "float8_e4m3fn kv_c with k_pe in q's dtype or in float8_e4m3fn"
         )
+    if pe_fp8:
+        why = _float8_pe_refusal(q, kv_c, k_pe, gather=False)
+        if why:
+            return False, why
     if attn_mask is not None:
         return False, "an attn_mask is given"
     if block_table is None:
@@ -663,8 +670,28 @@ def wgmma_plan_path(
     have = shared_memory_optin(q.device)
     if need > have:
         return False, f"{block_m}-row programs need {need} bytes of shared memory, GPU has {have}"
-    what = "float8 kv_c" if float8 else "bf16/fp16"
+    what = ("float8 kv_c and k_pe" if pe_fp8 else "float8 kv_c") if float8 else "bf16/fp16"
     return True, f"Hopper, {what}, paged, no mask"
+
+
+def _float8_pe_refusal(
+    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, gather: bool
+) -> str | None:
+    """Why the wgmma kernel cannot take a float8 ``k_pe`` (None if it can): only its programs
+    that multiply in float8 (``wgmma_decode.default_float8_products``: 16 query rows, kv_c 512
+    wide, copy-engine tiles) read one, and float8 wgmma's K of 32 needs its width a multiple of
+    32. Elsewhere the Triton kernel takes the call."""
+    from .wgmma_decode import default_float8_products
+
+    block_m, _ = wgmma_tiling(q.shape[1] * q.shape[2])
+    if not default_float8_products(block_m, kv_c.shape[-1], True, gather) or k_pe.shape[-1] % 32:
+        return (
+            "a float8_e4m3fn k_pe is read only by 16-row programs (heads x S_q <= 16) over a "
+            "512-wide kv_c in whole 64-token pages, with a k_pe width that is a multiple of 32; "
+            f"got {q.shape[1] * q.shape[2]} query rows, kv_c width {kv_c.shape[-1]}, k_pe width "
+            f"{k_pe.shape[-1]}" + (", pages gathered row by row" if gather else "")
+        )
+    return None
 
 
 def gather_path(
@@ -715,6 +742,8 @@ def wgmma_path(
     if not ok:
         return None, why
     loads, why_loads = wgmma_loads(kv_c, k_pe, block_table)
+    if loads == "gather" and k_pe.shape[-1] and k_pe.dtype == torch.float8_e4m3fn:
+        return None, _float8_pe_refusal(q, kv_c, k_pe, gather=True)
     return loads, f"{why}; {why_loads}"
 
 

@@ -4,8 +4,8 @@ Same contract as ``triton_kernels._mla_decode_kernel`` (partials ``[B, S_q, H, s
 float32 and their lse, the same split bounds, NaN rows for tokens at an invalid cache location), for
 the common serving layout only: a paged cache (pages of whole 64-token tiles go through TMA, any
 other page size is gathered row by row), no attention mask, with ``kv_c`` in q's dtype (bf16/fp16)
-or in float8 e4m3 with a per-tensor scale (``k_pe`` in q's dtype). ``wgmma_path`` says whether a
-call qualifies and, if not, why.
+or in float8 e4m3 with a per-tensor scale (``k_pe`` in q's dtype, or in e4m3 too where the
+program multiplies in float8). ``wgmma_path`` says whether a call qualifies and, if not, why.
 
 Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
 so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
@@ -55,9 +55,13 @@ with the query as two e4m3 terms (its rounding and its remainder, side by side a
 that the scores keep about bf16's precision); ``V^T`` read from the slot into the wgmma's A
 registers (16-byte loads, bytes transposed in registers; the output's rows are a fixed
 permutation of the latent columns, ``_latent_column``); and P in e4m3 (times ``P_E4M3_SCALE``).
-No staging tile and no conversion (NOTES.md item 57). The error against the bf16 result is the
-float8 cache's own (6.07e-2 against 6.00e-2 on (a8)); against float64 attention over the
-dequantised cache it is about 1e-2 (P's rounding), against 1.7e-3.
+No staging tile and no conversion (NOTES.md item 57). These programs also take a ``k_pe`` in e4m3
+(``PE_FP8``: the whole 576-wide row in float8 under one scale, vLLM's ``fp8`` MLA cache, 576
+bytes a token against FlashMLA's 640): its scores are float8 products into the nope scores'
+accumulator, against the RoPE query's two e4m3 terms (NOTES.md item 58).
+The error against the bf16 result is the float8 cache's own (6.07e-2 against 6.00e-2 on
+(a8)); against float64 attention over the dequantised cache it is about 1e-2 (P's rounding),
+against 1.7e-3.
 
 Every other float8 tile arrives by TMA as bytes and is converted to fp16 (exactly: e4m3 is a subset
 of fp16) into one shared-memory staging tile that both products read. wgmma's own float8 form
@@ -676,7 +680,7 @@ def _tile_scores(
 def _float8_tile(
     kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
     NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
-    vt_layout: gl.constexpr,
+    vt_layout: gl.constexpr, PE_FP8: gl.constexpr = False,
 ):  # fmt: skip
     """``FLOAT8_PRODUCTS``: wait for the float8 tile at ring position ``pos`` (its rows past
     ``end`` zeroed in the slot), score it by float8 wgmma straight from the slot against the
@@ -688,7 +692,12 @@ def _float8_tile(
     completed (``_consume_tiles``): handed back as soon as its loads were issued (after a proxy
     fence and a barrier of the warps) it was 1.7 % slower on (a8), and handed back without
     them, loads still queued read the next tile's bytes (an H200 measured wrong outputs, and NaN
-    from stale rows; NOTES.md item 57)."""
+    from stale rows; NOTES.md item 57).
+
+    ``PE_FP8``: the slot's ``k_pe`` is e4m3 too; its scores are float8 products into the same
+    accumulator (``qpe_smem`` holds the RoPE query's two terms under the nope part's power of
+    two). Its stale rows are not zeroed: their scores are masked before the softmax, and P.V
+    reads only ``kv_c``."""
     BLOCK_N: gl.constexpr = s_zero.shape[0]
     BLOCK_M: gl.constexpr = s_zero.shape[1]
     L: gl.constexpr = q_smem.shape[1]
@@ -702,7 +711,9 @@ def _float8_tile(
     )
     s2 = gl.zeros([BLOCK_N, 2 * BLOCK_M], gl.float32, layout=s2_layout)
     s2 = warpgroup_mma(kv, q_smem.permute((1, 0)), s2, use_acc=False, is_async=True)
-    if HAS_PE:
+    if PE_FP8:
+        s2 = warpgroup_mma(pe_ring.index(slot), qpe_smem.permute((1, 0)), s2, is_async=True)
+    elif HAS_PE:
         s_pe = warpgroup_mma(
             pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
         )  # fmt: skip
@@ -710,7 +721,7 @@ def _float8_tile(
         kv, gl.float8e4nv, [L, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
     )  # fmt: skip
     v_t = gl.convert_layout(vt_view.load(_VT_LOAD_LAYOUT), vt_layout, assert_trivial=True)
-    if HAS_PE:
+    if HAS_PE and not PE_FP8:
         s2, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s_pe))
     else:
         s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
@@ -718,7 +729,7 @@ def _float8_tile(
     s_round, s_rest = gl.split(gl.permute(gl.reshape(s2, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
     s_t = gl.convert_layout(s_round + s_rest * (1.0 / QUERY_REMAINDER_SCALE), s_zero.type.layout)
     s_t = s_t * nope_scale
-    if HAS_PE:
+    if HAS_PE and not PE_FP8:
         s_t = s_t + s_pe
     return s_t, v_t
 
@@ -786,44 +797,65 @@ def _load_query(
 
 
 @gluon.jit
+def _e4m3_terms(q32):
+    """``q32 [BLOCK_M, W]`` (float32, already within e4m3's range) as two e4m3 terms stacked
+    ``[2 BLOCK_M, W]``: its rounding to e4m3, then the remainder times
+    ``QUERY_REMAINDER_SCALE``; ``round + rest / QUERY_REMAINDER_SCALE`` keeps about bf16's
+    precision."""
+    # Rounded to e4m3's 4 significant bits in float32 (exact in e4m3 for normal values), not by
+    # converting the e4m3 values back: Triton 3.6's e4m3 -> float32 of this layout returned
+    # other elements' values (measured on an H200; NOTES.md item 57).
+    bits = q32.to(gl.int32, bitcast=True)
+    q_round = ((bits + 0x80000) & -1048576).to(gl.float32, bitcast=True)
+    q_terms = gl.join(
+        q_round.to(gl.float8e4nv), ((q32 - q_round) * QUERY_REMAINDER_SCALE).to(gl.float8e4nv)
+    )  # fmt: skip
+    q_terms = gl.permute(q_terms, (2, 0, 1))  # [2, BLOCK_M, W]
+    return gl.reshape(q_terms, [2 * q32.shape[0], q32.shape[1]])
+
+
+@gluon.jit
+def _abs_max(x):
+    return gl.max(gl.max(gl.abs(x), 1), 0)
+
+
+@gluon.jit
 def _store_query(
     q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr,
-    FLOAT8_PRODUCTS: gl.constexpr = False,
+    FLOAT8_PRODUCTS: gl.constexpr = False, PE_FP8: gl.constexpr = False,
 ):  # fmt: skip
     """``_load_query``'s parts into shared memory (``q_smem [BLOCK_M, L]``, ``qpe_smem``).
     Returns the nope scores' scale (``kv_scale``, times the power of two below for a float8
-    cache). ``FLOAT8_PRODUCTS``: ``q_smem`` is e4m3 ``[2 BLOCK_M, L]``, the query's rounding
-    in its first ``BLOCK_M`` rows and the remainder times ``QUERY_REMAINDER_SCALE`` in the
-    others."""
+    cache). ``FLOAT8_PRODUCTS``: ``q_smem`` is e4m3 ``[2 BLOCK_M, L]``, the query's two terms
+    (``_e4m3_terms``). ``PE_FP8`` (a float8 ``k_pe``): ``qpe_smem`` is e4m3 ``[2 BLOCK_M, R]``,
+    the RoPE part's two terms under the same power of two, so both parts' scores add up in one
+    accumulator with one scale."""
     dtype: gl.constexpr = q_smem.dtype
     nope_scale = kv_scale
     if FLOAT8_PRODUCTS:
         # A power of two puts the largest value in (224, 448], e4m3's top octave.
         q32 = q_nope.to(gl.float32)
-        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_max = _abs_max(q32)
+        if PE_FP8:
+            qpe32 = q_pe.to(gl.float32)
+            q_max = gl.maximum(q_max, _abs_max(qpe32))
         q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max / 448.0)), 0.0)
-        q32 = q32 * gl.exp2(-q_shift)
-        # Rounded to e4m3's 4 significant bits in float32 (exact in e4m3 for normal values),
-        # not by converting the e4m3 values back: Triton 3.6's e4m3 -> float32 of this layout
-        # returned other elements' values (measured on an H200; NOTES.md item 57).
-        bits = q32.to(gl.int32, bitcast=True)
-        q_round = ((bits + 0x80000) & -1048576).to(gl.float32, bitcast=True)
-        q_terms = gl.join(q_round.to(dtype), ((q32 - q_round) * QUERY_REMAINDER_SCALE).to(dtype))
-        q_terms = gl.permute(q_terms, (2, 0, 1))  # [2, BLOCK_M, L]
-        q_smem.store(gl.reshape(q_terms, [2 * q_nope.shape[0], q_nope.shape[1]]))
+        q_smem.store(_e4m3_terms(q32 * gl.exp2(-q_shift)))
+        if PE_FP8:
+            qpe_smem.store(_e4m3_terms(qpe32 * gl.exp2(-q_shift)))
         nope_scale = kv_scale * gl.exp2(q_shift)
     elif KV_FP8:
         # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
         # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
         # scores take it back with kv_scale, in float32 (_tile_scores).
         q32 = q_nope.to(gl.float32)
-        q_max = gl.max(gl.max(gl.abs(q32), 1), 0)
+        q_max = _abs_max(q32)
         q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
         q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
         nope_scale = kv_scale * gl.exp2(q_shift)
     else:
         q_smem.store(q_nope)
-    if HAS_PE:
+    if HAS_PE and not PE_FP8:
         qpe_smem.store(q_pe)
     fence_async_shared()
     return nope_scale
@@ -930,12 +962,12 @@ def _consume_tiles(
     H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
     KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
-    STAMPS: gl.constexpr, FLOAT8_PRODUCTS: gl.constexpr = False,
+    STAMPS: gl.constexpr, FLOAT8_PRODUCTS: gl.constexpr = False, PE_FP8: gl.constexpr = False,
 ):  # fmt: skip
     """The math warps: the query into shared memory, then for each tile its scores, the online
     softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
-    ``FLOAT8_PRODUCTS``: float8 products (``_float8_tile``); ``O^T``'s rows are then permuted
-    (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
+    ``FLOAT8_PRODUCTS``: float8 products (``_float8_tile``; ``PE_FP8``: ``k_pe`` in e4m3 too);
+    ``O^T``'s rows are then permuted (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
 
     With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
     without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
@@ -966,7 +998,7 @@ def _consume_tiles(
         HAS_PE, io_layout,
     )  # fmt: skip
     nope_scale = _store_query(
-        q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, KV_FP8, FLOAT8_PRODUCTS
+        q_nope, q_pe, q_smem, qpe_smem, kv_scale, HAS_PE, KV_FP8, FLOAT8_PRODUCTS, PE_FP8
     )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
 
@@ -1006,7 +1038,7 @@ def _consume_tiles(
         if FLOAT8_PRODUCTS:
             s_t, v_t = _float8_tile(
                 kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-                nope_scale, NUM_STAGES, HAS_PE, io_layout, vt_layout,
+                nope_scale, NUM_STAGES, HAS_PE, io_layout, vt_layout, PE_FP8,
             )  # fmt: skip
         else:
             s_t = _tile_scores(
@@ -1416,6 +1448,7 @@ def _mla_decode_wgmma_kernel(
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
     FLOAT8_PRODUCTS: gl.constexpr,  # KV_FP8, 16 rows, L = 512, TMA: float8 wgmma, no conversion
+    PE_FP8: gl.constexpr,  # FLOAT8_PRODUCTS with k_pe in e4m3 too (R a multiple of 32)
     CHUNK: gl.constexpr,  # columns gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
@@ -1460,6 +1493,8 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
+    # float8 wgmma's K is 32.
+    gl.static_assert(not PE_FP8 or (FLOAT8_PRODUCTS and HAS_PE and R % 32 == 0))
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -1568,7 +1603,16 @@ def _mla_decode_wgmma_kernel(
         )
     else:
         stage = kv_ring
-    if HAS_PE:
+    if PE_FP8:
+        # The RoPE query's two e4m3 terms (_store_query); the ring's k_pe as the descriptor's.
+        qpe_smem = gl.allocate_shared_memory(
+            gl.float8e4nv, [2 * BLOCK_M, R],
+            gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, R], gl.float8e4nv),
+        )  # fmt: skip
+        pe_ring = gl.allocate_shared_memory(
+            PE_DESC.dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout
+        )  # fmt: skip
+    elif HAS_PE:
         qpe_smem = gl.allocate_shared_memory(
             q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
         )
@@ -1640,7 +1684,7 @@ def _mla_decode_wgmma_kernel(
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
                         stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
                         PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER,
-                        True, STAMPS, FLOAT8_PRODUCTS,
+                        True, STAMPS, FLOAT8_PRODUCTS, PE_FP8,
                     ),
                 ),
                 (
@@ -1746,7 +1790,7 @@ def _mla_decode_wgmma_kernel(
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
                 STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
-                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS,
+                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS, PE_FP8,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
@@ -1933,7 +1977,8 @@ def launch(
     copy-engine tiles of a 16-bit cache. longest_first: programs take the chunks longest first
     (``_longest_first``; None: ``default_longest_first``), else split-major. float8_products: a
     float8 ``kv_c`` multiplied in float8 (``_float8_tile``; None: ``default_float8_products``),
-    else converted to fp16.
+    else converted to fp16. A float8 ``k_pe`` (the whole cache in e4m3, one ``kv_scale``) needs
+    float8 products and a width that is a multiple of 32.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -1958,6 +2003,7 @@ def launch(
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8)
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    pe_fp8 = rope_len > 0 and k_pe.dtype == torch.float8_e4m3fn
     if float8_products is None:
         float8_products = default_float8_products(block_m, kv_len, float8, gather)
     elif float8_products and not (
@@ -1967,6 +2013,12 @@ def launch(
             "float8_products: expected a float8_e4m3fn kv_c of width 512 in 16-row programs "
             f"(4 warps) of copy-engine tiles; got kv_c {kv_c.dtype} of width {kv_len}, "
             f"block_m={block_m}, num_warps={num_warps}, gather={gather}"
+        )
+    if pe_fp8 and not (float8_products and rope_len % 32 == 0):
+        raise ValueError(
+            "a float8_e4m3fn k_pe is multiplied in float8 only: expected float8 products "
+            f"(float8_products={float8_products}) and a k_pe width that is a multiple of 32 "
+            f"(got {rope_len})"
         )
     batch, s_q, heads, _ = q.shape
     if longest_first is None:
@@ -2047,6 +2099,7 @@ def launch(
         BLOCK_B=lengths_per_step,
         KV_FP8=float8,
         FLOAT8_PRODUCTS=float8_products,
+        PE_FP8=pe_fp8,
         CHUNK=min(kv_len, GATHER_CHUNK),
         GATHER=gather,
         FILL_EMPTY=fill_empty,

@@ -3,9 +3,10 @@ tests' poison): NaN counts per sequence and, over the same cache without NaN, ea
 largest difference from a three-slot launch (NOTES.md item 57: a ring slot handed back while
 loads from it were still queued gave both; the three-slot launch has the variant's other
 settings). Variants: the op's launch, no producer partition,
-three ring slots, the fp16 conversion.
+three ring slots, the fp16 conversion. ``--whole``: ``k_pe`` in float8 too, under the same
+scale (NOTES.md item 58; no fp16 conversion then).
 
-    python benchmarks/experiments/float8_race_check.py [--launches 4]
+    python benchmarks/experiments/float8_race_check.py [--launches 4] [--whole]
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--launches", type=int, default=4)
+    ap.add_argument("--whole", action="store_true", help="k_pe in float8 too")
     args = ap.parse_args()
     # test_float8_products_error_against_bf16_is_the_caches[2-16-1]'s case: three sequences, two
     # of them ending in a partial tile.
@@ -42,7 +44,8 @@ def main() -> None:
     )  # fmt: skip
     scale = max(float(case.kv_c.float().nan_to_num(0.0).abs().amax()), 1.0) / 448.0
     kv_c = (case.kv_c.float() / scale).to(FP8)  # unused rows stay NaN
-    case = replace(case, kv_c=kv_c, kv_cache=(kv_c, case.k_pe), kv_scale=scale)
+    k_pe = (case.k_pe.float() / scale).to(FP8) if args.whole else case.k_pe
+    case = replace(case, kv_c=kv_c, k_pe=k_pe, kv_cache=(kv_c, k_pe), kv_scale=scale)
     batch = case.q.shape[0]
 
     def launch(kv_c: torch.Tensor, k_pe: torch.Tensor, **kw) -> torch.Tensor:
@@ -59,8 +62,11 @@ def main() -> None:
         return out
 
     print(torch.cuda.get_device_name(), "lengths", case.cache_seqlens.tolist())
-    clean_kv, clean_pe = kv_c.float().nan_to_num(0.0).to(FP8), case.k_pe.nan_to_num(0.0)
+    clean_kv = kv_c.float().nan_to_num(0.0).to(FP8)
+    clean_pe = case.k_pe.float().nan_to_num(0.0).to(case.k_pe.dtype)
     for name, kw in VARIANTS.items():
+        if args.whole and kw.get("float8_products") is False:
+            continue
         ref = launch(clean_kv, clean_pe, **{**kw, "num_stages": 3})
         nan = [torch.isnan(launch(kv_c, case.k_pe, **kw)).sum((1, 2, 3, 4)).tolist()
                for _ in range(args.launches)]  # fmt: skip

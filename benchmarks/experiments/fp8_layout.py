@@ -34,7 +34,9 @@ import bench_decode as bd
 def dequantised_reference(inp: bd.Inputs, case: bd.Case) -> torch.Tensor:
     """float64 causal attention over the dequantised float8 cache, one sequence at a time (what
     the kernel must reproduce; ``bench_decode.reference`` with the cache the kernel reads)."""
-    kv = torch.cat([inp.kv_c_fp8.double() * inp.kv_scale, inp.kv_cache[..., bd.L :].double()], -1)
+    kv_c, k_pe = inp.decode_cache()
+    pe_scale = inp.kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0
+    kv = torch.cat([kv_c.double() * inp.kv_scale, k_pe.double() * pe_scale], -1)
     return bd.reference(inp, case, kv_cache=kv, dtype=torch.float64)
 
 
@@ -73,12 +75,17 @@ LAYOUTS = ("bf16", "strided k_pe", "contiguous k_pe", "640-byte rows")
 
 
 def case_named(name: str) -> bd.Case:
-    """A ``bench_decode`` case, or ``X8``: case ``X`` over a float8 cache (``b8``: 128 heads)."""
+    """A ``bench_decode`` case, ``X8``: case ``X`` over a float8 cache (``b8``: 128 heads), or
+    ``X8e``: the same with ``k_pe`` in float8 too (``Case.fp8_rope``)."""
     if name in bd.CASES:
         return bd.CASES[name]
     if name.endswith("8") and name[:-1] in bd.CASES:
         return replace(bd.CASES[name[:-1]], name=name, fp8=True)
-    raise ValueError(f"--cases: unknown case {name!r}; expected one of {sorted(bd.CASES)} or X8")
+    if name.endswith("8e") and name[:-2] in bd.CASES:
+        return replace(bd.CASES[name[:-2]], name=name, fp8=True, fp8_rope=True)
+    raise ValueError(
+        f"--cases: unknown case {name!r}; expected one of {sorted(bd.CASES)}, X8 or X8e"
+    )
 
 
 def case_inputs(name: str, ceil: dict, float64_reference: bool = False):

@@ -167,18 +167,63 @@ def test_fp8_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+def _fp8_whole_case(seed: int, dtype: torch.dtype, **kw):
+    """The whole cache in float8 under one scale (kv_c and k_pe views of one ``[..., L+R]``
+    e4m3 tensor: vLLM's fp8 MLA cache), with rows of whole 16-byte units as the copy engine
+    needs (``make_case`` may pad them by 8 bytes)."""
+    case = make_case(seed, dtype=dtype, device="cuda", cache_dtype=FP8, pair=False, **kw)
+    cache = case.kv_cache.contiguous()
+    kv_len = case.kv_c.shape[-1]
+    return replace(case, kv_cache=cache, kv_c=cache[..., :kv_len], k_pe=cache[..., kv_len:])
+
+
 @requires_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("seed", range(8))
+def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
+    """kv_c and k_pe both in float8 (one tensor, one scale) against the float64 reference of
+    the dequantised cache: 16-row programs of width 512 over whole 64-token pages read it with
+    the wgmma kernel, both parts' scores float8 products (NOTES.md item 58); every other shape
+    (128 heads, page size 1 or 16, another width) runs the Triton kernel. S_q > 1, odd heads,
+    empty sequences, partial last tiles, stale rows."""
+    import random
+
+    rng = random.Random(seed)
+    s_q = rng.choice([1, 1, 2])
+    heads = rng.choice([3, 5, 16 // s_q, 16 // s_q, 128 // s_q])
+    dims = rng.choice([(512, 64), (512, 64), (512, 32), (64, 16)])
+    page_size = rng.choice([64, 64, 128, 1, 16])
+    case = _fp8_whole_case(
+        870 + seed, dtype, s_q=s_q, heads=heads, dims=dims, page_size=page_size,
+        max_len=rng.choice([70, 700, 3000]), total_splits=rng.choice([None, 8]),
+    )  # fmt: skip
+    kernels.LAST_LAUNCH.clear()
+    out_p, lse_p = kernels.decode(*case.op_args())
+    out, lse = kernels.combine(out_p, lse_p, dtype)
+    takes = heads * s_q <= 16 and dims[0] == 512 and page_size % 64 == 0
+    assert (kernels.LAST_LAUNCH["decode_path"] == "wgmma") == takes, case.describe()
+    assert kernels.LAST_LAUNCH.get("wgmma_float8_products", False) == takes, case.describe()
+    ref_out, ref_lse = case.reference()
+    assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("whole", [False, True], ids=["pair", "whole"])
 @pytest.mark.parametrize("query_max", [1e-6, 1.0, 6e4, 1e9])
-def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float) -> None:
+def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, whole: bool) -> None:
     """The fp16 nope query is moved into fp16's range by a power of two: a bf16 query from 1e-6
-    to 1e9 neither overflows nor rounds away."""
-    case = _fp8_pair_case(
-        850, torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=2, causal=True,
-        lengths=[130, 64, 0],
+    to 1e9 neither overflows nor rounds away (``whole``: k_pe in float8 too, both query parts'
+    e4m3 terms under one power of two)."""
+    make = _fp8_whole_case if whole else _fp8_pair_case
+    # 16 query rows for the whole-float8 cache: the programs that read a float8 k_pe.
+    case = make(
+        850, torch.bfloat16, page_size=64, dims=(512, 64), heads=8 if whole else 16, s_q=2,
+        causal=True, lengths=[130, 64, 0],
     )  # fmt: skip
     case.q = case.q * (query_max / case.q.abs().max().item())
     case.softmax_scale /= query_max  # keep the scores' spread
     out, lse = run(kernels, case)
+    assert kernels.LAST_LAUNCH["wgmma_float8_products"] or not whole
     ref_out, ref_lse = case.reference()
     assert torch.isfinite(out[:2]).all()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
@@ -216,13 +261,22 @@ def test_float8_products_error_against_bf16_is_the_caches(
 
     out_products, _ = run(kernels, case8)
     assert kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
+    # The whole row in float8 under one scale (k_pe quantised too).
+    row8 = (torch.cat([case.kv_c, case.k_pe], -1).float() / scale).to(FP8)
+    kv_c8e, k_pe8e = row8[..., :512], row8[..., 512:]
+    case8e = replace(case, kv_c=kv_c8e, k_pe=k_pe8e, kv_cache=row8, kv_scale=scale)
+    out_whole, _ = run(kernels, case8e)
+    assert kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
     monkeypatch.setattr(wgmma_decode, "default_float8_products", lambda *a: False)
     out_f16, _ = run(kernels, case8)
     assert not kernels.LAST_LAUNCH["wgmma_float8_products"]
     err_products, err_f16 = rel_err(out_products), rel_err(out_f16)
+    err_whole = rel_err(out_whole)
     assert err_products < 0.05 and err_products <= 1.25 * err_f16, (
         err_products, err_f16, case.describe()
     )  # fmt: skip
+    # k_pe's own e4m3 rounding adds to the scores' error, not to V's.
+    assert err_whole < 0.05 and err_whole <= 1.5 * err_f16, (err_whole, err_f16, case.describe())
 
 
 @requires_hopper
@@ -769,7 +823,12 @@ def _meta_call(
         (dict(dtype=torch.float32), "takes bf16/fp16"),
         (dict(cache=FP8), None),
         (dict(cache=FP8, heads=128), None),
-        (dict(cache=FP8, pe_cache=FP8), "neither q's (torch.bfloat16) nor a float8_e4m3fn kv_c"),
+        (dict(cache=FP8, pe_cache=FP8), None),
+        (dict(cache=FP8, pe_cache=FP8, widths=(512, 32)), None),
+        (dict(pe_cache=FP8), "neither q's (torch.bfloat16) nor a float8_e4m3fn kv_c"),
+        (dict(cache=FP8, pe_cache=FP8, heads=128), "k_pe is read only by 16-row programs"),
+        (dict(cache=FP8, pe_cache=FP8, widths=(256, 64)), "got 16 query rows, kv_c width 256"),
+        (dict(cache=FP8, pe_cache=FP8, widths=(512, 16)), "k_pe width 16"),
         (dict(cache=torch.float16), "neither q's"),
         (dict(heads=128), None),
         (dict(heads=8, s_q=3), None),
@@ -829,6 +888,23 @@ def test_loads_say_how_and_why(monkeypatch) -> None:
     how, why = loads(16, row=580)  # 1160-byte rows
     assert how is None and "kv_c rows are not contiguous 16-byte units" in why, why
     assert loads(3, dtype=torch.float8_e4m3fn)[0] == "gather"
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+def test_float8_k_pe_needs_copy_engine_tiles(monkeypatch) -> None:
+    """A whole-float8 cache in whole 64-token pages takes the wgmma kernel; gathered row by row
+    (page size 1) it does not, and ``wgmma_path`` says why."""
+    from mla_ops import triton_kernels
+
+    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
+    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
+    table = torch.zeros(2, 4, dtype=torch.int32)
+    for page, how in ((64, "tma"), (1, None)):
+        cache = torch.zeros(8, page, 576, dtype=FP8)
+        loads, why = triton_kernels.wgmma_path(q, cache[..., :512], cache[..., 512:], table, None)
+        assert loads == how, why
+    assert "pages gathered row by row" in why, why
     assert triton_kernels.wgmma_loads(*[torch.zeros(8, 1, 64)] * 2, None)[0] is None
 
 
@@ -935,6 +1011,28 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
     assert staged["shared_bytes"] - products["shared_bytes"] >= 64 * 512 * 2, (products, staged)
 
 
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+def test_float8_k_pe_compiles_to_float8_rope_scores() -> None:
+    """With ``k_pe`` in float8 too (NOTES.md item 58) the RoPE scores are two more ``m64n32k32``
+    e4m3 products (K = 64) into the nope scores' accumulator, and no 16-bit wgmma is left; no
+    spill, and a ring slot 4 KB smaller (64 x 64 bytes of k_pe instead of 128)."""
+    whole, pair = _offline_compile(
+        "import re; r = []\n"
+        "for pe in ('fp8e4nv', None):\n"
+        "    k = oc.compile_wgmma(16, 2, kv_dtype='fp8e4nv', pe_dtype=pe)\n"
+        "    ptx = k.asm['ptx']; x = oc.resources(k)\n"
+        "    x['n32'] = len(re.findall(r'm64n32k32\\.f32\\.e4m3\\.e4m3', ptx))\n"
+        "    x['n16'] = len(re.findall(r'm64n16k32\\.f32\\.e4m3\\.e4m3', ptx))\n"
+        "    x['bf16'] = len(re.findall(r'k16\\.f32\\.bf16\\.bf16', ptx))\n"
+        "    r.append(x)\n"
+        "print(r)"
+    )
+    assert whole["n32"] == 18 and whole["n16"] == 16 and whole["bf16"] == 0, whole
+    assert whole["wgmma"] == 34 and whole["spill_bytes"] == 0, whole
+    assert pair["bf16"] == 4, pair
+    assert pair["shared_bytes"] - whole["shared_bytes"] >= 2 * 64 * 64, (whole, pair)
+
+
 def test_float8_products_choice_and_its_checks() -> None:
     """``default_float8_products``: float8 16-row programs of width 512 over copy-engine tiles
     only; ``launch(float8_products=True)`` elsewhere is refused, naming what it expected."""
@@ -957,6 +1055,16 @@ def test_float8_products_choice_and_its_checks() -> None:
             case.q, kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse, 0.1, 1.0,
             False, 1, None, block_m=16, num_warps=4, num_stages=2, min_chunk=256, granule=64,
             lengths_per_step=128, float8_products=True,
+        )  # fmt: skip
+    # A float8 k_pe is read by float8 products only.
+    case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=1,
+                     pair=True, lengths=[64])  # fmt: skip
+    out = torch.empty(1, 1, 16, 1, 512)
+    with pytest.raises(ValueError, match="a float8_e4m3fn k_pe is multiplied in float8 only"):
+        wgmma_decode.launch(
+            case.q, case.kv_c.to(FP8), case.k_pe.to(FP8), case.cache_seqlens, case.block_table,
+            out, lse, 0.1, 1.0, False, 1, None, block_m=16, num_warps=4, num_stages=2,
+            min_chunk=256, granule=64, lengths_per_step=128, float8_products=False,
         )  # fmt: skip
 
 
