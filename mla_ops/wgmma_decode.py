@@ -680,19 +680,12 @@ def _tile_scores(
 def _float8_tile(
     kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
     NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
-    vt_layout: gl.constexpr, PE_FP8: gl.constexpr = False,
+    PE_FP8: gl.constexpr = False,
 ):  # fmt: skip
     """``FLOAT8_PRODUCTS``: wait for the float8 tile at ring position ``pos`` (its rows past
-    ``end`` zeroed in the slot), score it by float8 wgmma straight from the slot against the
-    query's two e4m3 terms (``_store_query``) and, under those products, read ``V^T`` into the
-    wgmma A operand ``vt_layout`` (rows permuted: ``_VT_OFFSET_BASES``). Returns the scores
-    ``S^T`` (``s_zero``'s layout, complete) and ``V^T``.
-
-    The slot goes back to the copy engine only once P.V, which reads ``V^T``'s registers, has
-    completed (``_consume_tiles``): handed back as soon as its loads were issued (after a proxy
-    fence and a barrier of the warps) it was 1.7 % slower on (a8), and handed back without
-    them, loads still queued read the next tile's bytes (an H200 measured wrong outputs, and NaN
-    from stale rows; NOTES.md item 57).
+    ``end`` zeroed in the slot) and score it by float8 wgmma straight from the slot against the
+    query's two e4m3 terms (``_store_query``). Returns the scores ``S^T`` (``s_zero``'s layout,
+    complete); ``_float8_vt`` reads the slot's ``V^T`` later, after the softmax's reductions.
 
     ``PE_FP8``: the slot's ``k_pe`` is e4m3 too; its scores are float8 products into the same
     accumulator (``qpe_smem`` holds the RoPE query's two terms under the nope part's power of
@@ -700,7 +693,6 @@ def _float8_tile(
     reads only ``kv_c``."""
     BLOCK_N: gl.constexpr = s_zero.shape[0]
     BLOCK_M: gl.constexpr = s_zero.shape[1]
-    L: gl.constexpr = q_smem.shape[1]
     slot = pos % NUM_STAGES
     kv = _await_tile(kv_ring, ready, pos, tile_start, end, NUM_STAGES, False, False, io_layout)
     if tile_start + BLOCK_N > end:
@@ -717,10 +709,6 @@ def _float8_tile(
         s_pe = warpgroup_mma(
             pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
         )  # fmt: skip
-    vt_view = _reinterpret(
-        kv, gl.float8e4nv, [L, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
-    )  # fmt: skip
-    v_t = gl.convert_layout(vt_view.load(_VT_LOAD_LAYOUT), vt_layout, assert_trivial=True)
     if HAS_PE and not PE_FP8:
         s2, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s_pe))
     else:
@@ -731,7 +719,29 @@ def _float8_tile(
     s_t = s_t * nope_scale
     if HAS_PE and not PE_FP8:
         s_t = s_t + s_pe
-    return s_t, v_t
+    return s_t
+
+
+@gluon.jit
+def _float8_vt(kv, vt_layout: gl.constexpr):
+    """A float8 ring slot ``kv [BLOCK_N, L]``'s ``V^T`` in the wgmma A operand ``vt_layout``
+    (rows permuted: ``_VT_OFFSET_BASES``): 16-byte loads, bytes transposed in registers.
+
+    Read after the softmax's row maxima, not under the scores: its 32 KB of loads then queued
+    ahead of the maxima's shuffles in the shared-memory pipe (ncu: 13 % of the loop's samples on
+    the first shuffle's result), and issued late they took (a8e) from 94.4-95.0 to 90.7-90.8 us
+    on an H200 ((d8e) 4.5 %, (e8e) 3 %; issued before the scores, 93.1-93.4; NOTES.md item 58).
+    The slot goes back to the copy engine only once P.V, which reads these registers, has
+    completed (``_consume_tiles``): handed back as soon as the loads were issued (after a proxy
+    fence and a barrier of the warps) it was 1.7 % slower on (a8), and handed back without
+    them, loads still queued read the next tile's bytes (an H200 measured wrong outputs, and NaN
+    from stale rows; NOTES.md item 57)."""
+    BLOCK_N: gl.constexpr = kv.shape[0]
+    L: gl.constexpr = kv.shape[1]
+    vt_view = _reinterpret(
+        kv, gl.float8e4nv, [L, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
+    )  # fmt: skip
+    return gl.convert_layout(vt_view.load(_VT_LOAD_LAYOUT), vt_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -1036,9 +1046,9 @@ def _consume_tiles(
             )  # fmt: skip
             n_bad += bad
         if FLOAT8_PRODUCTS:
-            s_t, v_t = _float8_tile(
+            s_t = _float8_tile(
                 kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-                nope_scale, NUM_STAGES, HAS_PE, io_layout, vt_layout, PE_FP8,
+                nope_scale, NUM_STAGES, HAS_PE, io_layout, PE_FP8,
             )  # fmt: skip
         else:
             s_t = _tile_scores(
@@ -1060,6 +1070,8 @@ def _consume_tiles(
         p_t, m_i, l_i, alpha = _online_softmax(
             s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
         )
+        if FLOAT8_PRODUCTS:
+            v_t = _float8_vt(kv_ring.index(slot), vt_layout)
         o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if FLOAT8_PRODUCTS:
             # P^T K-major, as float8 wgmma's B must be: p_smem is [BLOCK_M, BLOCK_N] e4m3.
