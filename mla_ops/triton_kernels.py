@@ -679,15 +679,15 @@ def _float8_pe_refusal(
 ) -> str | None:
     """Why the wgmma kernel cannot take a float8 ``k_pe`` (None if it can): only its programs
     that multiply in float8 (``wgmma_decode.default_float8_products``: 16 query rows, kv_c 512
-    wide, copy-engine tiles) read one, and float8 wgmma's K of 32 needs its width a multiple of
-    32. Elsewhere the Triton kernel takes the call."""
+    wide, copy-engine tiles) read one, at DeepSeek's RoPE width of 64 (the width the GPU tests
+    cover). Elsewhere the Triton kernel takes the call."""
     from .wgmma_decode import default_float8_products
 
     block_m, _ = wgmma_tiling(q.shape[1] * q.shape[2])
-    if not default_float8_products(block_m, kv_c.shape[-1], True, gather) or k_pe.shape[-1] % 32:
+    if not default_float8_products(block_m, kv_c.shape[-1], True, gather) or k_pe.shape[-1] != 64:
         return (
             "a float8_e4m3fn k_pe is read only by 16-row programs (heads x S_q <= 16) over a "
-            "512-wide kv_c in whole 64-token pages, with a k_pe width that is a multiple of 32; "
+            "512-wide kv_c in whole 64-token pages, with a k_pe width of 64; "
             f"got {q.shape[1] * q.shape[2]} query rows, kv_c width {kv_c.shape[-1]}, k_pe width "
             f"{k_pe.shape[-1]}" + (", pages gathered row by row" if gather else "")
         )

@@ -1460,7 +1460,7 @@ def _mla_decode_wgmma_kernel(
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
     FLOAT8_PRODUCTS: gl.constexpr,  # KV_FP8, 16 rows, L = 512, TMA: float8 wgmma, no conversion
-    PE_FP8: gl.constexpr,  # FLOAT8_PRODUCTS with k_pe in e4m3 too (R a multiple of 32)
+    PE_FP8: gl.constexpr,  # FLOAT8_PRODUCTS with k_pe in e4m3 too (R = 64)
     CHUNK: gl.constexpr,  # columns gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
@@ -1505,8 +1505,8 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
-    # float8 wgmma's K is 32.
-    gl.static_assert(not PE_FP8 or (FLOAT8_PRODUCTS and HAS_PE and R % 32 == 0))
+    # R = 64, the width the GPU tests cover (float8 wgmma's K of 32 would allow any multiple).
+    gl.static_assert(not PE_FP8 or (FLOAT8_PRODUCTS and HAS_PE and R == 64))
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -1990,7 +1990,7 @@ def launch(
     (``_longest_first``; None: ``default_longest_first``), else split-major. float8_products: a
     float8 ``kv_c`` multiplied in float8 (``_float8_tile``; None: ``default_float8_products``),
     else converted to fp16. A float8 ``k_pe`` (the whole cache in e4m3, one ``kv_scale``) needs
-    float8 products and a width that is a multiple of 32.
+    float8 products and a width of 64.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -2026,11 +2026,10 @@ def launch(
             f"(4 warps) of copy-engine tiles; got kv_c {kv_c.dtype} of width {kv_len}, "
             f"block_m={block_m}, num_warps={num_warps}, gather={gather}"
         )
-    if pe_fp8 and not (float8_products and rope_len % 32 == 0):
+    if pe_fp8 and not (float8_products and rope_len == 64):
         raise ValueError(
             "a float8_e4m3fn k_pe is multiplied in float8 only: expected float8 products "
-            f"(float8_products={float8_products}) and a k_pe width that is a multiple of 32 "
-            f"(got {rope_len})"
+            f"(float8_products={float8_products}) and a k_pe width of 64 (got {rope_len})"
         )
     batch, s_q, heads, _ = q.shape
     if longest_first is None:

@@ -182,10 +182,13 @@ def _fp8_whole_case(seed: int, dtype: torch.dtype, **kw):
 @pytest.mark.parametrize("seed", range(8))
 def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     """kv_c and k_pe both in float8 (one tensor, one scale) against the float64 reference of
-    the dequantised cache: 16-row programs of width 512 over whole 64-token pages read it with
-    the wgmma kernel, both parts' scores float8 products (NOTES.md item 58); every other shape
-    (128 heads, page size 1 or 16, another width) runs the Triton kernel. S_q > 1, odd heads,
-    empty sequences, partial last tiles, stale rows."""
+    the dequantised cache: 16-row programs of width 512 + 64 over whole 64-token pages read it
+    with the wgmma kernel, both parts' scores float8 products (NOTES.md item 58); every other
+    shape (128 heads, page size 1 or 16, another width) runs the Triton kernel. Of the 8 draws,
+    two take the wgmma kernel (16 and 3 heads on 128-token pages: splits, empty sequences,
+    partial last tiles, stale rows); S_q = 2 and 64-token pages on it are in
+    ``test_fp8_cache_query_outside_fp16_range`` and
+    ``test_float8_products_error_against_bf16_is_the_caches``."""
     import random
 
     rng = random.Random(seed)
@@ -200,7 +203,7 @@ def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     kernels.LAST_LAUNCH.clear()
     out_p, lse_p = kernels.decode(*case.op_args())
     out, lse = kernels.combine(out_p, lse_p, dtype)
-    takes = heads * s_q <= 16 and dims[0] == 512 and page_size % 64 == 0
+    takes = heads * s_q <= 16 and dims == (512, 64) and page_size % 64 == 0
     assert (kernels.LAST_LAUNCH["decode_path"] == "wgmma") == takes, case.describe()
     assert kernels.LAST_LAUNCH.get("wgmma_float8_products", False) == takes, case.describe()
     ref_out, ref_lse = case.reference()
@@ -824,7 +827,7 @@ def _meta_call(
         (dict(cache=FP8), None),
         (dict(cache=FP8, heads=128), None),
         (dict(cache=FP8, pe_cache=FP8), None),
-        (dict(cache=FP8, pe_cache=FP8, widths=(512, 32)), None),
+        (dict(cache=FP8, pe_cache=FP8, widths=(512, 32)), "k_pe width 32"),
         (dict(pe_cache=FP8), "neither q's (torch.bfloat16) nor a float8_e4m3fn kv_c"),
         (dict(cache=FP8, pe_cache=FP8, heads=128), "k_pe is read only by 16-row programs"),
         (dict(cache=FP8, pe_cache=FP8, widths=(256, 64)), "got 16 query rows, kv_c width 256"),
