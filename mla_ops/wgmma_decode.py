@@ -53,12 +53,13 @@ multiplied in float8 (``FLOAT8_PRODUCTS``, ``default_float8_products``), as Flas
 FlashAttention-3's float8 kernels do: the nope scores by float8 wgmma straight from the ring slot,
 with the query as two e4m3 terms (its rounding and its remainder, side by side as N = 32 rows, so
 that the scores keep about bf16's precision); ``V^T`` read from the slot into the wgmma's A
-registers (16-byte loads, bytes transposed in registers; the output's rows are a fixed
-permutation of the latent columns, ``_latent_column``); and P in e4m3 (times ``P_E4M3_SCALE``).
-No staging tile and no conversion (NOTES.md item 57). These programs also take a ``k_pe`` in e4m3
-(``PE_FP8``: the whole 576-wide row in float8 under one scale, vLLM's ``fp8`` MLA cache, 576
-bytes a token against FlashMLA's 640): its scores are float8 products into the nope scores'
-accumulator, against the RoPE query's two e4m3 terms (NOTES.md item 58).
+registers (``ldmatrix.trans`` of 16-bit pairs, then one byte permute per register; the
+output's rows are a fixed permutation of the latent columns, ``_latent_column``); and P in e4m3
+(times ``P_E4M3_SCALE``). No staging tile and no conversion (NOTES.md item 57). These programs
+also take a ``k_pe`` in e4m3 (``PE_FP8``: the whole 576-wide row in float8 under one scale,
+vLLM's ``fp8`` MLA cache, 576 bytes a token against FlashMLA's 640): its scores are float8
+products into the nope scores' accumulator, against the RoPE query's two e4m3 terms (NOTES.md
+item 58).
 The error against the bf16 result is the float8 cache's own (6.07e-2 against 6.00e-2 on
 (a8)); against float64 attention over the dequantised cache it is about 1e-2 (P's rounding),
 against 1.7e-3.
@@ -116,27 +117,35 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 BLOCK_N = 64
 
 # FLOAT8_PRODUCTS: a float8 ring slot [64 tokens, 512] (128-byte swizzle: four [64, 128-byte]
-# slabs, each row's 16-byte units XOR the row's low 3 bits) seen as V^T [512 (m), 64 (k)] for
+# slabs, each row's 16-byte units XOR the row's low 3 bits) read as V^T [512 (m), 64 (k)] into
 # the wgmma's A registers. In that operand thread (warp w, lane 4g + q) holds rows m = 64 b +
-# 16 w + 8 h + g (b the 64-row block, h = 0, 1) of tokens 4q + {0..3} (+ 16, 32, 48); row m is
-# given latent column c = 128 w + 16 g + 4 (b >> 1) + 2 (b & 1) + h, so that the 16 rows a
-# thread holds of one token are 16 contiguous bytes of the slot (one 16-byte load; the bytes are
-# then transposed in registers). Offset bit i of the slot -> (m, k):
+# 16 w + 8 h + g (b the 64-row block, h = 0, 1) of tokens 4q + {0..3} (+ 16, 32, 48), 4 tokens
+# of one row per 32-bit register. Row m is given latent column c = h + 2 g + 16 b + 128 w, so
+# that rows m and m + 8 are the two bytes of one 16-bit pair (column 2 g + h of a 16-byte unit).
+# The slot is then read as 16-bit pairs [256 (mp), 64 (k)], mp = 32 b + 8 w + g, by ldmatrix
+# .trans (8 x 8 matrices of pairs, rows = tokens): a thread gets one pair of two tokens per
+# register, and one byte permute per operand register (``_PAIRS_TO_ROWS``) takes two such
+# registers (tokens 4q .. 4q + 3) to rows m and m + 8. Offset bit i of the slot, in 2-byte units,
+# -> (mp, k):
 _VT_OFFSET_BASES = gl.constexpr([
-    [8, 0], [64, 0], [128, 0], [256, 0],  # the 16 contiguous bytes: c bits 0-3
-    [1, 0], [2, 0], [4, 0],  # the 16-byte unit (c bits 4-6), unswizzled
-    [1, 1], [2, 2], [4, 4],  # token bits 0-2, with the swizzle they XOR into the unit
+    [1, 0], [2, 0], [4, 0],  # the pair within its 16-byte unit (c bits 1-3): g
+    [32, 0], [64, 0], [128, 0],  # the 16-byte unit (c bits 4-6): b, unswizzled
+    [32, 1], [64, 2], [128, 4],  # token bits 0-2, with the swizzle they XOR into the unit
     [0, 8], [0, 16], [0, 32],  # token bits 3-5
-    [16, 0], [32, 0],  # the slab (c bits 7-8)
+    [8, 0], [16, 0],  # the slab (c bits 7-8): w
 ])  # fmt: skip
-# The wgmma A operand's layout (``DotOperandLayout(0, ..., k_width=4)`` of [512, 64] e4m3 with 4
-# warps) with its register bases reordered so that the first four are the 16 contiguous bytes;
-# converting from it to the operand is a permutation of each thread's registers.
+# The pairs as ldmatrix.trans gives them: registers 0-1 tokens 4q + {0..3} (so a group of 4
+# is one operand register's tokens), lanes 4g + q, warps w; Triton lowers this load to
+# ``ldmatrix.trans`` (16 ``LDSM.16.MT88.4`` a tile, each matrix's rows the tokens
+# {0, 1, 4, 5, 8, 9, 12, 13} + 2 (register bit 1) + 16 j).
 _VT_LOAD_LAYOUT = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[8, 0], [64, 0], [128, 0], [256, 0], [0, 1], [0, 2], [0, 16], [0, 32]],
-    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
-    block_bases=[], shape=[512, 64],
+    reg_bases=[[0, 1], [0, 2], [0, 16], [0, 32], [32, 0], [64, 0], [128, 0]],
+    lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], warp_bases=[[8, 0], [16, 0]],
+    block_bases=[], shape=[256, 64],
 ))  # fmt: skip
+# Pairs of tokens k, k + 1 ($2) and k + 2, k + 3 ($3) -> their low bytes (row m: $0) and high
+# bytes (row m + 8: $1), each 4 tokens in order.
+_PAIRS_TO_ROWS = gl.constexpr("prmt.b32 $0, $2, $3, 0x6420;\n prmt.b32 $1, $2, $3, 0x7531;")
 # P (at most 1) is stored in e4m3 times this, well inside e4m3's 448, so that small weights keep
 # their bits; the output takes it back.
 P_E4M3_SCALE = gl.constexpr(256.0)
@@ -725,7 +734,8 @@ def _float8_tile(
 @gluon.jit
 def _float8_vt(kv, vt_layout: gl.constexpr):
     """A float8 ring slot ``kv [BLOCK_N, L]``'s ``V^T`` in the wgmma A operand ``vt_layout``
-    (rows permuted: ``_VT_OFFSET_BASES``): 16-byte loads, bytes transposed in registers.
+    (rows permuted: ``_VT_OFFSET_BASES``): ``ldmatrix.trans`` of 16-bit pairs, then one byte
+    permute per operand register (the 16-byte loads this replaced needed three: NOTES.md item 59).
 
     Read after the softmax's row maxima, not under the scores: its 32 KB of loads then queued
     ahead of the maxima's shuffles in the shared-memory pipe (ncu: 13 % of the loop's samples on
@@ -738,10 +748,17 @@ def _float8_vt(kv, vt_layout: gl.constexpr):
     from stale rows; NOTES.md item 57)."""
     BLOCK_N: gl.constexpr = kv.shape[0]
     L: gl.constexpr = kv.shape[1]
-    vt_view = _reinterpret(
-        kv, gl.float8e4nv, [L, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
+    pairs_view = _reinterpret(
+        kv, gl.int16, [L // 2, BLOCK_N], gl.SharedLinearLayout(offset_bases=_VT_OFFSET_BASES)
     )  # fmt: skip
-    return gl.convert_layout(vt_view.load(_VT_LOAD_LAYOUT), vt_layout, assert_trivial=True)
+    pairs = pairs_view.load(_VT_LOAD_LAYOUT)  # [L / 2, BLOCK_N] int16: ldmatrix.trans
+    low, high = gl.inline_asm_elementwise(
+        _PAIRS_TO_ROWS, "=r,=r,r,r", [pairs], dtype=(gl.uint8, gl.uint8), is_pure=True, pack=4
+    )  # fmt: skip
+    # (b, w, g, k, h) -> m = 64 b + 16 w + 8 h + g: a relabelling, no data moves.
+    rows = gl.reshape(gl.join(low, high), [8, 4, 8, BLOCK_N, 2])
+    v_t = gl.reshape(gl.permute(rows, (0, 1, 4, 2, 3)), [L, BLOCK_N])
+    return gl.convert_layout(v_t.to(gl.float8e4nv, bitcast=True), vt_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -773,12 +790,8 @@ def _zero_stale_byte_rows(kv, tile_start, end):
 @gluon.jit
 def _latent_column(m):
     """The latent column that row ``m`` of a float8-products program's ``O^T`` holds
-    (``_VT_OFFSET_BASES``): ``m = 64 b + 16 w + 8 h + g`` -> ``128 w + 16 g + 4 (b >> 1) +
-    2 (b & 1) + h``."""
-    return (
-        ((m >> 4) & 3) * 128 + (m & 7) * 16 + ((m >> 7) & 3) * 4 + ((m >> 6) & 1) * 2
-        + ((m >> 3) & 1)
-    )  # fmt: skip
+    (``_VT_OFFSET_BASES``): ``m = 64 b + 16 w + 8 h + g`` -> ``h + 2 g + 16 b + 128 w``."""
+    return ((m >> 3) & 1) + (m & 7) * 2 + ((m >> 6) & 7) * 16 + ((m >> 4) & 3) * 128
 
 
 @gluon.jit

@@ -993,7 +993,8 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
     """A 16-row float8 program of width 512 multiplies in float8 (NOTES.md item 57): 16
     ``m64n32k32`` e4m3 products for the nope scores (both query terms, K = 512) and 16
     ``m64n16k32`` for P.V (8 row blocks of 512, K = 64), the RoPE scores in 16 bits; nothing
-    converted to fp16; ``V^T`` read from the ring slot 16 bytes a load (16 a thread and tile);
+    converted to fp16; ``V^T`` read from the ring slot as 16-bit pairs by 16 ``ldmatrix.trans``
+    (x4) a thread and tile, then one byte permute per operand register (64; NOTES.md item 59);
     no spill; no fp16 staging tile (64 KB less shared memory than the same build with
     ``float8_products=False``, which keeps its conversions)."""
     products, staged = _offline_compile(
@@ -1003,12 +1004,14 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
         "    ptx = k.asm['ptx']; x = oc.resources(k)\n"
         "    x['n32'] = len(re.findall(r'm64n32k32\\.f32\\.e4m3\\.e4m3', ptx))\n"
         "    x['n16'] = len(re.findall(r'm64n16k32\\.f32\\.e4m3\\.e4m3', ptx))\n"
-        "    x['cvt'] = ptx.count('cvt.rn.f16x2.e4m3x2'); x['v4'] = ptx.count('ld.shared.v4.b32')\n"
+        "    x['cvt'] = ptx.count('cvt.rn.f16x2.e4m3x2'); x['prmt'] = ptx.count('prmt.b32')\n"
+        "    x['ldsm'] = len(re.findall(r'ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans', ptx))\n"
         "    r.append(x)\n"
         "print(r)"
     )
     assert products["n32"] == 16 and products["n16"] == 16, products
-    assert products["wgmma"] == 36 and products["cvt"] == 0 and products["v4"] >= 16, products
+    assert products["wgmma"] == 36 and products["cvt"] == 0, products
+    assert products["ldsm"] == 16 and products["prmt"] == 64, products
     assert products["spill_bytes"] == 0, products
     assert staged["n32"] == staged["n16"] == 0 and staged["cvt"] > 0, staged
     assert staged["shared_bytes"] - products["shared_bytes"] >= 64 * 512 * 2, (products, staged)
@@ -1073,10 +1076,11 @@ def test_float8_products_choice_and_its_checks() -> None:
 
 def test_float8_products_view_of_the_ring_slot() -> None:
     """``_VT_OFFSET_BASES`` reads a copy-engine float8 slot (``[64, 512]``, 128-byte swizzle: four
-    ``[64, 128-byte]`` slabs, each row's 16-byte units XOR its low 3 bits) as ``V^T``: every
-    byte offset maps to token ``k`` and to a row ``m`` whose latent column
-    (``_latent_column``, the output's permutation) is the byte's column; every row and column
-    once."""
+    ``[64, 128-byte]`` slabs, each row's 16-byte units XOR its low 3 bits) as 16-bit pairs
+    ``[256 (mp), 64 (k)]``: every 2-byte offset maps to token ``k`` and a pair ``mp = 32 b + 8 w
+    + g`` whose bytes ``h = 0, 1`` are rows ``m = 64 b + 16 w + 8 h + g`` of ``V^T``, each row's
+    latent column (``_latent_column``, the output's permutation) that byte's column; every row
+    and column once."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
     from mla_ops import wgmma_decode
@@ -1084,17 +1088,20 @@ def test_float8_products_view_of_the_ring_slot() -> None:
     bases = wgmma_decode._VT_OFFSET_BASES.value
     column_of = wgmma_decode._latent_column.fn
     seen = set()
-    for offset in range(64 * 512):
-        m = k = 0
+    for pair_offset in range(64 * 256):
+        mp = k = 0
         for bit, (bm, bk) in enumerate(bases):
-            if offset >> bit & 1:
-                m, k = m ^ bm, k ^ bk
-        slab, rest = divmod(offset, 64 * 128)
-        token, within = divmod(rest, 128)
-        unit = (within >> 4) ^ (token & 7)
-        column = slab * 128 + unit * 16 + (within & 15)
-        assert k == token and column_of(m) == column, (offset, m, k, token, column)
-        seen.add((m, k))
+            if pair_offset >> bit & 1:
+                mp, k = mp ^ bm, k ^ bk
+        for h in (0, 1):
+            offset = 2 * pair_offset + h
+            slab, rest = divmod(offset, 64 * 128)
+            token, within = divmod(rest, 128)
+            unit = (within >> 4) ^ (token & 7)
+            column = slab * 128 + unit * 16 + (within & 15)
+            m = 64 * (mp >> 5) + 16 * ((mp >> 3) & 3) + 8 * h + (mp & 7)
+            assert k == token and column_of(m) == column, (offset, m, k, token, column)
+            seen.add((m, k))
     assert len(seen) == 64 * 512
     assert sorted(column_of(m) for m in range(512)) == list(range(512))
 
