@@ -89,6 +89,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -689,12 +690,14 @@ def _tile_scores(
 def _float8_tile(
     kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
     NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, io_layout: gl.constexpr,
-    PE_FP8: gl.constexpr = False,
+    PE_FP8: gl.constexpr, o_t,
 ):  # fmt: skip
     """``FLOAT8_PRODUCTS``: wait for the float8 tile at ring position ``pos`` (its rows past
     ``end`` zeroed in the slot) and score it by float8 wgmma straight from the slot against the
     query's two e4m3 terms (``_store_query``). Returns the scores ``S^T`` (``s_zero``'s layout,
-    complete); ``_float8_vt`` reads the slot's ``V^T`` later, after the softmax's reductions.
+    complete) and ``o_t``, the previous tile's P.V, which was left in flight and is complete
+    too (wgmma groups complete in order); ``_float8_vt`` reads the slot's ``V^T`` later, after
+    the softmax's reductions.
 
     ``PE_FP8``: the slot's ``k_pe`` is e4m3 too; its scores are float8 products into the same
     accumulator (``qpe_smem`` holds the RoPE query's two terms under the nope part's power of
@@ -719,16 +722,16 @@ def _float8_tile(
             pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
         )  # fmt: skip
     if HAS_PE and not PE_FP8:
-        s2, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s_pe))
+        s2, s_pe, o_t = warpgroup_mma_wait(num_outstanding=0, deps=(s2, s_pe, o_t))
     else:
-        s2 = warpgroup_mma_wait(num_outstanding=0, deps=(s2,))
+        s2, o_t = warpgroup_mma_wait(num_outstanding=0, deps=(s2, o_t))
     # Columns [0, BLOCK_M) scored the rounded query, the rest its remainder.
     s_round, s_rest = gl.split(gl.permute(gl.reshape(s2, [BLOCK_N, 2, BLOCK_M]), (0, 2, 1)))
     s_t = gl.convert_layout(s_round + s_rest * (1.0 / QUERY_REMAINDER_SCALE), s_zero.type.layout)
     s_t = s_t * nope_scale
     if HAS_PE and not PE_FP8:
         s_t = s_t + s_pe
-    return s_t
+    return s_t, o_t
 
 
 @gluon.jit
@@ -901,21 +904,53 @@ def _row_start(
 
 
 @gluon.jit
-def _online_softmax(s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0):
+def _row_max_across_warps(s_t, max_smem):
+    """The row maxima of ``S^T [64, 16]`` (tokens on the wgmma's M: 16 a warp, 4 warps), each
+    warp's own by its shuffles, then exchanged once through ``max_smem [4, 16]`` float32 behind
+    one barrier, in ``S^T``'s column layout. Triton's reduction across warps takes two barriers
+    and a second round of shuffles; with this one (float8 products, P.V in flight) (a8e) was
+    1.2 % and (a8) 1.1 % faster on an H200 (NOTES.md item 59). The caller alternates two
+    buffers: a warp can write tile i + 2's maxima only after every warp has passed tile i + 1's
+    barriers, so after every warp has read tile i's."""
+    BLOCK_N: gl.constexpr = s_t.shape[0]
+    BLOCK_M: gl.constexpr = s_t.shape[1]
+    gl.static_assert(BLOCK_N == 64 and BLOCK_M == 16 and gl.num_warps() == 4)
+    max_smem.store(gl.max(gl.reshape(s_t, [4, BLOCK_N // 4, BLOCK_M]), 1))  # [warp, row]
+    _thread_barrier()
+    # Every thread reads the 4 warps' maxima of its own columns: a wgmma accumulator with N = 16
+    # gives lane 4 g + q columns 2 q + {0, 1} + {0, 8}.
+    all_warps: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]],
+        lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], warp_bases=[[0, 0], [0, 0]],
+        block_bases=[], shape=[4, BLOCK_M],
+    )  # fmt: skip
+    tile_max = gl.max(max_smem.load(all_warps), 0)
+    return gl.convert_layout(tile_max, gl.SliceLayout(0, s_t.type.layout))
+
+
+@gluon.jit
+def _online_softmax(
+    s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0, max_smem=None
+):  # fmt: skip
     """One tile's step of the online softmax in the exp2 domain.
 
     s: raw scores of the tokens at ``offs_n`` along axis ``TOKENS`` (0: ``S^T [BLOCK_N,
     BLOCK_M]``; 1: ``S [BLOCK_M, BLOCK_N]``). l_i: the running sum ``[BLOCK_M]``, or partial sums
     shaped like ``s`` whose total along ``TOKENS`` is the running sum (when a row's tokens lie
-    across warpgroups, this leaves the cross-warpgroup sum to the end). Returns ``P`` (or
-    ``P^T``), the new running max and sum, and ``alpha``, the factor that rescales the output
-    accumulated so far.
+    across warpgroups, this leaves the cross-warpgroup sum to the end). ``max_smem``: the row
+    maxima across warps through this buffer (``_row_max_across_warps``) instead of Triton's
+    reduction. Returns ``P`` (or ``P^T``), the new running max and sum, and ``alpha``, the factor
+    that rescales the output accumulated so far.
     """
     ROWS: gl.constexpr = 1 - TOKENS
     keys = gl.expand_dims(offs_n, ROWS)
     visible = (keys < end) & (keys <= gl.expand_dims(last_key, TOKENS))
     s = gl.where(visible, s * scale_log2, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, TOKENS))
+    if max_smem is None:  # noqa: SIM108 (a compile-time choice; one branch is compiled)
+        tile_max = gl.max(s, TOKENS)
+    else:
+        tile_max = _row_max_across_warps(s, max_smem)
+    m_new = gl.maximum(m_i, tile_max)
     # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = gl.exp2(m_i - m_shift)
@@ -979,7 +1014,7 @@ def _produce_tiles(
 @gluon.jit
 def _consume_tiles(
     Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring, stage, p_smem,
-    ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs,
+    max_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles, stride_qb, stride_qs,
     stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
     stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q: gl.constexpr,
     H: gl.constexpr, L: gl.constexpr, R: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -1042,6 +1077,9 @@ def _consume_tiles(
     o_t = gl.zeros([L, BLOCK_M], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+    if FLOAT8_PRODUCTS:
+        # P.V stays in flight into the next tile (an accumulator from here on).
+        o_t = warpgroup_mma_init(o_t)
 
     # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
     # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
@@ -1059,9 +1097,9 @@ def _consume_tiles(
             )  # fmt: skip
             n_bad += bad
         if FLOAT8_PRODUCTS:
-            s_t = _float8_tile(
+            s_t, o_t = _float8_tile(
                 kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
-                nope_scale, NUM_STAGES, HAS_PE, io_layout, PE_FP8,
+                nope_scale, NUM_STAGES, HAS_PE, io_layout, PE_FP8, o_t,
             )  # fmt: skip
         else:
             s_t = _tile_scores(
@@ -1071,20 +1109,31 @@ def _consume_tiles(
             )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
-        # A float8 slot is converted and its k_pe read by now: refill it here, not after P.V
-        # (with a producer partition, _tile_scores has handed it back already).
-        if KV_FP8 and not PRODUCER and not FLOAT8_PRODUCTS:
+        if FLOAT8_PRODUCTS:
+            p_t, m_i, l_i, alpha = _online_softmax(
+                s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 0,
+                max_smem.index(i % 2),
+            )  # fmt: skip
+            v_t = _float8_vt(kv_ring.index(slot), vt_layout)
+            # V^T is in registers and the scores' products have read the slot: it goes back to
+            # the copies now, not after P.V (which reads only registers and p_smem). The barrier
+            # makes every warp's loads complete first (handed back without one, loads still
+            # queued read the next tile's bytes: NOTES.md item 57).
+            _thread_barrier()
+        # A float8 slot is converted (or in registers) and its k_pe read by now: refill it here,
+        # not after P.V (a converted slot with a producer partition: _tile_scores has handed it
+        # back already).
+        if FLOAT8_PRODUCTS or (KV_FP8 and not PRODUCER):
             _hand_back(
                 KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
                 next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
                 PAGE_SIZE, NUM_STAGES, HAS_PE, GATHER, L, R, CHUNK, PRODUCER, gather_layout,
                 io_layout,
             )  # fmt: skip
-        p_t, m_i, l_i, alpha = _online_softmax(
-            s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
-        )
-        if FLOAT8_PRODUCTS:
-            v_t = _float8_vt(kv_ring.index(slot), vt_layout)
+        if not FLOAT8_PRODUCTS:
+            p_t, m_i, l_i, alpha = _online_softmax(
+                s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
+            )
         o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if FLOAT8_PRODUCTS:
             # P^T K-major, as float8 wgmma's B must be: p_smem is [BLOCK_M, BLOCK_N] e4m3.
@@ -1096,15 +1145,19 @@ def _consume_tiles(
             fence_async_shared()
             v_tile = stage if KV_FP8 else kv_ring.index(slot)
             o_t = warpgroup_mma(v_tile.permute((1, 0)), p_smem, o_t, is_async=True)
-        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
-        # The slot is free again (a float8-products slot too: P.V has read V^T's registers).
-        if not KV_FP8 or FLOAT8_PRODUCTS:
+        if not FLOAT8_PRODUCTS:
+            # (Float8 products leave P.V in flight: the next tile's scores wait for it.)
+            o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
+        # The slot is free again.
+        if not KV_FP8:
             _hand_back(
                 KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, free, slot, i, n_tiles,
                 next_start, next_where, stride_kvp, stride_kvt, stride_pep, stride_pet,
                 PAGE_SIZE, NUM_STAGES, HAS_PE, GATHER, L, R, CHUNK, PRODUCER, gather_layout,
                 io_layout,
             )  # fmt: skip
+    if FLOAT8_PRODUCTS:
+        o_t = warpgroup_mma_wait(num_outstanding=0, deps=(o_t,))
     _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
     if KV_FP8:
         l_i = gl.sum(l_i, 0)
@@ -1656,6 +1709,10 @@ def _mla_decode_wgmma_kernel(
             gl.float8e4nv, [BLOCK_M, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv),
         )  # fmt: skip
+        # Two buffers of the softmax's row maxima across the warps (_row_max_across_warps).
+        max_smem = gl.allocate_shared_memory(
+            gl.float32, [2, 4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )  # fmt: skip
     elif ROWS_ON_M or ONE_SCORER:
         p_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, BLOCK_N],
@@ -1666,6 +1723,8 @@ def _mla_decode_wgmma_kernel(
             dtype, [BLOCK_N, BLOCK_M],
             gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype),
         )  # fmt: skip
+    if not FLOAT8_PRODUCTS:
+        max_smem = p_smem  # unused: Triton's reduction across warps
     if ONE_SCORER:
         # The factor that rescales the output before each tile's P.V, beside P; P (and it)
         # handed to warpgroup 1 and back.
@@ -1704,7 +1763,8 @@ def _mla_decode_wgmma_kernel(
                     _consume_tiles,
                     (
                         Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring,
-                        pe_ring, stage, p_smem, ready, free, n_bad, b64, row_block, seqlen,
+                        pe_ring, stage, p_smem, max_smem, ready, free, n_bad, b64, row_block,
+                        seqlen,
                         start, end, n_tiles, stride_qb, stride_qs, stride_qh, stride_qd,
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
                         stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
@@ -1811,7 +1871,8 @@ def _mla_decode_wgmma_kernel(
         else:
             o_t, m_i, l_i, n_bad = _consume_tiles(
                 Q, KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, q_smem, qpe_smem, kv_ring, pe_ring,
-                stage, p_smem, ready, free, n_bad, b64, row_block, seqlen, start, end, n_tiles,
+                stage, p_smem, max_smem, ready, free, n_bad, b64, row_block, seqlen, start, end,
+                n_tiles,
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
                 STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
