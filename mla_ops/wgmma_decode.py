@@ -744,11 +744,11 @@ def _float8_vt(kv, vt_layout: gl.constexpr):
     ahead of the maxima's shuffles in the shared-memory pipe (ncu: 13 % of the loop's samples on
     the first shuffle's result), and issued late they took (a8e) from 94.4-95.0 to 90.7-90.8 us
     on an H200 ((d8e) 4.5 %, (e8e) 3 %; issued before the scores, 93.1-93.4; NOTES.md item 58).
-    The slot goes back to the copy engine only once P.V, which reads these registers, has
-    completed (``_consume_tiles``): handed back as soon as the loads were issued (after a proxy
-    fence and a barrier of the warps) it was 1.7 % slower on (a8), and handed back without
-    them, loads still queued read the next tile's bytes (an H200 measured wrong outputs, and NaN
-    from stale rows; NOTES.md item 57)."""
+    ``_consume_tiles`` hands the slot back right after these loads, behind a barrier of the
+    warps: handed back without one, loads still queued read the next tile's bytes (an H200
+    measured wrong outputs, and NaN from stale rows; NOTES.md item 57). Handed back there
+    instead of after P.V, with P.V left in flight, (a8e) was 3.4 % faster on an H200 (NOTES.md
+    item 59)."""
     BLOCK_N: gl.constexpr = kv.shape[0]
     L: gl.constexpr = kv.shape[1]
     pairs_view = _reinterpret(

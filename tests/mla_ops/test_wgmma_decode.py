@@ -995,6 +995,7 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
     ``m64n16k32`` for P.V (8 row blocks of 512, K = 64), the RoPE scores in 16 bits; nothing
     converted to fp16; ``V^T`` read from the ring slot as 16-bit pairs by 16 ``ldmatrix.trans``
     (x4) a thread and tile, then one byte permute per operand register (64; NOTES.md item 59);
+    P.V left in flight (no ``wgmma.wait_group`` between its last product and the loop's branch);
     no spill; no fp16 staging tile (64 KB less shared memory than the same build with
     ``float8_products=False``, which keeps its conversions)."""
     products, staged = _offline_compile(
@@ -1006,12 +1007,16 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
         "    x['n16'] = len(re.findall(r'm64n16k32\\.f32\\.e4m3\\.e4m3', ptx))\n"
         "    x['cvt'] = ptx.count('cvt.rn.f16x2.e4m3x2'); x['prmt'] = ptx.count('prmt.b32')\n"
         "    x['ldsm'] = len(re.findall(r'ldmatrix\\.sync\\.aligned\\.m8n8\\.x4\\.trans', ptx))\n"
+        "    pv = [m.end() for m in re.finditer(r'm64n16k32\\.f32\\.e4m3', ptx)]\n"
+        "    after = ptx[pv[-1]:] if pv else ''\n"
+        "    x['pv_in_flight'] = 'bra' in after[: after.find('wgmma.wait_group')]\n"
         "    r.append(x)\n"
         "print(r)"
     )
     assert products["n32"] == 16 and products["n16"] == 16, products
     assert products["wgmma"] == 36 and products["cvt"] == 0, products
     assert products["ldsm"] == 16 and products["prmt"] == 64, products
+    assert products["pv_in_flight"], products
     assert products["spill_bytes"] == 0, products
     assert staged["n32"] == staged["n16"] == 0 and staged["cvt"] > 0, staged
     assert staged["shared_bytes"] - products["shared_bytes"] >= 64 * 512 * 2, (products, staged)
