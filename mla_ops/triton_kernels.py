@@ -424,7 +424,6 @@ def _mla_combine_kernel(
     BLOCK_L: tl.constexpr,
     ACC: tl.constexpr,
     WAIT_PRIMARY: tl.constexpr,  # launched early (PDL): wait for the previous kernel's writes
-    EARLY_SPLITS: tl.constexpr,  # splits whose partials are loaded together with the LSEs
 ):
     if WAIT_PRIMARY:
         # Nothing is read or written before the decode's partials are complete and visible.
@@ -433,15 +432,6 @@ def _mla_combine_kernel(
     l_block = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     s_ok = offs_s < NUM_SPLITS
-    offs_l = l_block * BLOCK_L + tl.arange(0, BLOCK_L)
-    l_ok = offs_l < L
-    part_ptrs = O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od
-    early = s_ok & (offs_s < EARLY_SPLITS)
-    if EARLY_SPLITS > 0:
-        # The splits a plan expects to be real are read without waiting for their LSEs: one L2
-        # round trip instead of two (NOTES.md item 61). An empty one among them holds whatever
-        # its memory held (its output is never written) and is masked out below.
-        part_early = tl.load(part_ptrs, mask=early[:, None] & l_ok[None, :], other=0.0)
     lse_s = tl.load(LSE_PART + row * stride_lr + offs_s * stride_lk, mask=s_ok, other=float("-inf"))
     lse_s = lse_s.to(ACC)
     poisoned = tl.sum((lse_s != lse_s).to(tl.int32), 0) > 0  # any NaN
@@ -451,17 +441,20 @@ def _mla_combine_kernel(
     total = tl.sum(weight, 0)
     lse = tl.where(total == 0.0, float("-inf"), shift + tl.log(tl.where(total == 0.0, 1.0, total)))
     weight = weight / tl.where(total == 0.0, 1.0, total)
-    read = s_ok & (weight > 0.0)  # an empty split's output is never used
+    read = s_ok & (weight > 0.0)  # an empty split's output is never read
     lse = tl.where(poisoned, float("nan"), lse)
     if l_block == 0:
         tl.store(LSE + row, lse.to(LSE.dtype.element_ty))
     # Each program merges one BLOCK_L-wide column block of the row (the weights are recomputed
     # per block: a few exps, against reading num_splits x BLOCK_L partial values).
-    part = tl.load(part_ptrs, mask=(read & ~early)[:, None] & l_ok[None, :], other=0.0)
-    if EARLY_SPLITS > 0:
-        part = tl.where(early[:, None], part_early, part)
-        part = tl.where(read[:, None], part, 0.0)
-    out = tl.sum(part.to(ACC) * weight[:, None], 0)
+    offs_l = l_block * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = offs_l < L
+    part = tl.load(
+        O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
+        mask=read[:, None] & l_ok[None, :],
+        other=0.0,
+    ).to(ACC)
+    out = tl.sum(part * weight[:, None], 0)
     out = tl.where(poisoned, float("nan"), out)
     tl.store(
         OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok
@@ -1041,23 +1034,6 @@ def decode(
     return out, lse
 
 
-# mla::attention's combine loads the splits its plan expects to be real together with their LSEs
-# (``expected_splits``); False loads every partial after the LSEs, as ``mla::combine`` does (for
-# A/B runs: benchmarks/experiments/combine_early.py).
-COMBINE_EARLY_SPLITS = True
-
-
-def expected_splits(batch: int, num_splits: int, total_splits: int | None) -> int:
-    """Splits per sequence that a plan expects to be real, rounded down to a power of two: the
-    combine's ``early_splits``. A balanced plan gives a sequence of average length about
-    ``total_splits / batch`` chunks (the planner's headroom splits beyond them are mostly empty);
-    an even one, ``num_splits``. Rounded down so that a uniform batch reads no empty split early
-    ((d): 132 / 4 -> 32, its 32 real chunks) and few kernels are compiled."""
-    expected = num_splits if total_splits is None else -(-total_splits // max(1, batch))
-    expected = max(1, min(num_splits, expected))
-    return 1 << (expected.bit_length() - 1)
-
-
 # Programs per multiprocessor that the combine keeps when it widens its column blocks
 # (combine_tiling): (b)'s 4096 wide programs on 132 multiprocessors (31 each) gained, (e)'s 1024
 # (7.8 each) lost (NOTES.md item 50).
@@ -1092,17 +1068,9 @@ def combine_tiling(
 
 
 def combine(
-    out_partial: torch.Tensor,
-    lse_partial: torch.Tensor,
-    out_dtype: torch.dtype | None,
-    early_splits: int = 0,
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the combine kernel; same contract as ``reference.combine``.
-
-    ``early_splits``: the first this many splits' partials are loaded together with the LSEs
-    instead of after them, where a plan expects them to be real (``expected_splits``). An empty
-    one among them is loaded and not used, so its partial must lie in ``out_partial``'s memory
-    (any values); the result is the same bits either way."""
+    """Launch the combine kernel; same contract as ``reference.combine``."""
     lead = out_partial.shape[:-2]
     num_splits, kv_len = out_partial.shape[-2:]
     out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
@@ -1115,7 +1083,6 @@ def combine(
     sms = multiprocessor_count(out.device) if out.is_cuda else 0
     block_s, block_l = combine_tiling(num_splits, kv_len, o3.shape[0], sms)
     LAST_LAUNCH["combine_tiling"] = (block_s, block_l)
-    LAST_LAUNCH["combine_early_splits"] = min(early_splits, num_splits)
     pdl = has_pdl(out.device)
     with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
         _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
@@ -1132,7 +1099,6 @@ def combine(
             BLOCK_L=block_l,
             ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
             WAIT_PRIMARY=pdl,
-            EARLY_SPLITS=min(early_splits, num_splits),
             num_warps=2,
             **({"launch_pdl": True} if pdl else {}),
         )
@@ -1222,9 +1188,7 @@ def attention(
     args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
             kv_scale, attn_mask, total_splits)  # fmt: skip
     if not merge:
-        partials = decode(*args, fill_empty=False, path=path)
-        early = expected_splits(batch, num_splits, total_splits) if COMBINE_EARLY_SPLITS else 0
-        return combine(*partials, q.dtype, early)
+        return combine(*decode(*args, fill_empty=False, path=path), q.dtype)
     out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
     lse = new_output((batch, s_q, heads), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:

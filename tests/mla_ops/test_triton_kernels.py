@@ -94,13 +94,10 @@ def test_config_can_turn_tma_off(kernels, monkeypatch, caplog) -> None:
     assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
 
 
-@pytest.mark.parametrize("early", ["none", "all"])
 @pytest.mark.parametrize("num_splits", [1, 7, 64])
 @pytest.mark.parametrize("width", [24, 300])  # 300: several column blocks, a masked last one
-def test_combine_kernel_tiling(kernels, num_splits: int, width: int, early: str) -> None:
-    """The combine kernel against the float64 merge, across its column-block / split tilings,
-    with its partials loaded after their LSEs or all of them with the LSEs (``early_splits``:
-    the empty split's NaN is loaded then, and must still not reach the output)."""
+def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
+    """The combine kernel against the float64 merge, across its column-block / split tilings."""
     from tests.mla_ops.test_combine import merge64
 
     gen = torch.Generator().manual_seed(num_splits * 1000 + width)
@@ -109,56 +106,10 @@ def test_combine_kernel_tiling(kernels, num_splits: int, width: int, early: str)
     lse_p[0, 1] = float("-inf")  # an empty row
     lse_p[1, :, num_splits // 2] = float("-inf")  # an empty split; its partial must not be read
     out_p[1, :, num_splits // 2] = float("nan")
-    out, lse = kernels.combine(out_p, lse_p, torch.float32, num_splits if early == "all" else 0)
-    assert kernels.LAST_LAUNCH["combine_early_splits"] == (num_splits if early == "all" else 0)
+    out, lse = kernels.combine(out_p, lse_p, torch.float32)
     ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
-
-
-def test_expected_splits_are_the_real_chunks_of_an_average_sequence() -> None:
-    """The combine's early splits: a balanced plan's ``total_splits / batch`` (rounded up, then
-    down to a power of two, at most ``num_splits``); an even plan's ``num_splits``. The benchmark
-    cases get their real chunk counts: (b) 2 of 4, (c) 64 of 64, (d) 32 of 64."""
-    from mla_ops import triton_kernels as tk
-    from mla_ops.planner import split_bounds
-
-    assert tk.expected_splits(32, 4, 64) == 2  # (b)
-    assert tk.expected_splits(1, 64, 66) == 64  # (c)
-    assert tk.expected_splits(4, 64, 132) == 32  # (d)
-    assert tk.expected_splits(64, 4, 128) == 2  # (e)
-    assert tk.expected_splits(3, 8, None) == 8
-    assert tk.expected_splits(3, 6, None) == 4
-    assert tk.expected_splits(0, 4, 64) == 4
-    assert tk.expected_splits(200, 4, 132) == 1
-    for batch, num_splits, total, length in (
-        (32, 4, 64, 4096),
-        (1, 64, 66, 32768),
-        (4, 64, 132, 65536),
-    ):
-        start, end = split_bounds(torch.full((batch,), length), num_splits, total)
-        real = int((end > start).sum(-1).min())
-        assert tk.expected_splits(batch, num_splits, total) == real
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_combine_early_splits_give_the_same_bits(kernels, dtype: torch.dtype) -> None:
-    """Partials loaded with their LSEs (``early_splits`` 1 to past ``num_splits``) or after them
-    (0): the same bits, with the empty splits' ``out`` left NaN by ``fill_empty=False`` (a
-    sequence of 0 tokens and one in fewer chunks than the rest included)."""
-    case = make_case(
-        43, dtype=dtype, device=DEVICE, page_size=16, dims=(32, 16), lengths=[300, 0, 70],
-        s_q=2, heads=3, num_splits=4, causal=True,
-    )  # fmt: skip
-    out_p, lse_p = kernels.decode(*case.op_args(), fill_empty=False)
-    assert torch.isnan(out_p).any()
-    base = kernels.combine(out_p, lse_p, dtype)
-    for early in (1, 2, 3, 4, 8):
-        out, lse = kernels.combine(out_p, lse_p, dtype, early)
-        assert kernels.LAST_LAUNCH["combine_early_splits"] == min(early, 4)
-        assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), early
-    ref_out, ref_lse = case.reference()
-    assert_matches(*base, ref_out, ref_lse, dtype, case.describe())
 
 
 def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
@@ -199,14 +150,10 @@ def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
     assert kernels.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms)
 
 
-@pytest.mark.parametrize("early", ["none", "all"])
 @pytest.mark.parametrize("num_splits", [2, 4])
-def test_combine_kernel_wide_column_blocks(
-    kernels, monkeypatch, num_splits: int, early: str
-) -> None:
+def test_combine_kernel_wide_column_blocks(kernels, monkeypatch, num_splits: int) -> None:
     """The combine kernel in 512-column programs (the widened tiling) against the float64 merge,
-    a masked column block included (width 600), its partials loaded after their LSEs or with
-    them."""
+    a masked column block included (width 600)."""
     from tests.mla_ops.test_combine import merge64
 
     monkeypatch.setattr(kernels, "combine_tiling", lambda splits, width, *_: (num_splits, 512))
@@ -215,8 +162,7 @@ def test_combine_kernel_wide_column_blocks(
     lse_p = (torch.randn(2, 3, num_splits, generator=gen) * 4).to(DEVICE)
     lse_p[1, :, 1] = float("-inf")  # an empty split; its partial must not be read
     out_p[1, :, 1] = float("nan")
-    out, lse = kernels.combine(out_p, lse_p, torch.float32, num_splits if early == "all" else 0)
-    assert kernels.LAST_LAUNCH["combine_early_splits"] == (num_splits if early == "all" else 0)
+    out, lse = kernels.combine(out_p, lse_p, torch.float32)
     ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)

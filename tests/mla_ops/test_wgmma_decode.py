@@ -723,10 +723,6 @@ def test_attention_over_merge_max_splits_uses_the_combine(kernels) -> None:
     out, lse = kernels.attention(*case.op_args())
     most = kernels.MERGE_MAX_SPLITS
     assert kernels.LAST_LAUNCH["merge"].startswith(f"mla::combine: num_splits={most + 1} > {most}")
-    # The plan's expected splits are loaded early: the short sequence's empty second split
-    # (NaN from the poisoned allocation) among them, and not used.
-    assert kernels.LAST_LAUNCH["combine_early_splits"] == kernels.expected_splits(2, most + 1, None)
-    assert kernels.LAST_LAUNCH["combine_early_splits"] >= 2
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
