@@ -109,7 +109,7 @@ def compile_wgmma(
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
     by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
     ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice);
-    ``pe_dtype="fp8e4nv"``: k_pe in float8 too (float8 products only).
+    ``pe_dtype="fp8e4nv"``: k_pe in float8 too (multiplied in float8, or converted).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -170,8 +170,10 @@ def compile_wgmma(
             el = gl.float8e4nv if name_dtype == "fp8e4nv" else gl_dtype
             layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], el)
             signature[name] = f"tensordesc<{name_dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
-        elif name in ("Q", "PE", "OUT"):
+        elif name in ("Q", "OUT"):
             signature[name] = f"*{dtype}"
+        elif name == "PE":
+            signature[name] = f"*{pe_dtype or dtype}"
         elif name == "KV":
             signature[name] = f"*{kv_dtype or dtype}"
         elif name in ("SEQLENS", "BLOCK_TABLE", "ARRIVALS"):

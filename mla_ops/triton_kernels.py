@@ -652,7 +652,7 @@ def wgmma_plan_path(
             "float8_e4m3fn kv_c with k_pe in q's dtype or in float8_e4m3fn"
         )
     if pe_fp8:
-        why = _float8_pe_refusal(q, kv_c, k_pe, gather=False)
+        why = _float8_pe_refusal(k_pe)
         if why:
             return False, why
     if attn_mask is not None:
@@ -674,22 +674,16 @@ def wgmma_plan_path(
     return True, f"Hopper, {what}, paged, no mask"
 
 
-def _float8_pe_refusal(
-    q: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, gather: bool
-) -> str | None:
-    """Why the wgmma kernel cannot take a float8 ``k_pe`` (None if it can): only its programs
-    that multiply in float8 (``wgmma_decode.default_float8_products``: 16 query rows, kv_c 512
-    wide, copy-engine tiles) read one, at DeepSeek's RoPE width of 64 (the width the GPU tests
-    cover). Elsewhere the Triton kernel takes the call."""
-    from .wgmma_decode import default_float8_products
-
-    block_m, _ = wgmma_tiling(q.shape[1] * q.shape[2])
-    if not default_float8_products(block_m, kv_c.shape[-1], True, gather) or k_pe.shape[-1] != 64:
+def _float8_pe_refusal(k_pe: torch.Tensor) -> str | None:
+    """Why the wgmma kernel cannot take a float8 ``k_pe`` (None if it can): it reads one at
+    DeepSeek's RoPE width of 64, the width the GPU tests cover; 16-row programs of width 512 over
+    whole 64-token pages multiply it in float8, every other program converts it to fp16 as it
+    does a float8 ``kv_c`` (NOTES.md items 58 and 62). Elsewhere the Triton kernel takes the
+    call."""
+    if k_pe.shape[-1] != 64:
         return (
-            "a float8_e4m3fn k_pe is read only by 16-row programs (heads x S_q <= 16) over a "
-            "512-wide kv_c in whole 64-token pages, with a k_pe width of 64; "
-            f"got {q.shape[1] * q.shape[2]} query rows, kv_c width {kv_c.shape[-1]}, k_pe width "
-            f"{k_pe.shape[-1]}" + (", pages gathered row by row" if gather else "")
+            "a float8_e4m3fn k_pe is read by the wgmma kernel at a width of 64; got k_pe width "
+            f"{k_pe.shape[-1]}"
         )
     return None
 
@@ -742,8 +736,6 @@ def wgmma_path(
     if not ok:
         return None, why
     loads, why_loads = wgmma_loads(kv_c, k_pe, block_table)
-    if loads == "gather" and k_pe.shape[-1] and k_pe.dtype == torch.float8_e4m3fn:
-        return None, _float8_pe_refusal(q, kv_c, k_pe, gather=True)
     return loads, f"{why}; {why_loads}"
 
 

@@ -69,8 +69,11 @@ of fp16) into one shared-memory staging tile that both products read. wgmma's ow
 needs both operands K-major, which ``V^T`` in ``O^T = V^T P^T`` is not. The query's nope part is
 stored as fp16, moved into fp16's range by a power of two (as the Triton kernel does); the nope
 scores get ``kv_scale`` and that power of two back in float32, in an accumulator of their own,
-and ``k_pe`` (in q's dtype) keeps its own. The ring slot is free as soon as it has been converted
-and its scores are done, so it is refilled a whole P.V earlier than a 16-bit slot.
+and ``k_pe`` in q's dtype keeps its own. A float8 ``k_pe`` (vLLM's whole-row cache) is converted
+too, into a small fp16 tile of its own, with the RoPE query in fp16 under the nope part's power of
+two, so that both parts' scores take the one scale (NOTES.md item 62). The ring slot is free as
+soon as it has been converted and its scores are done, so it is refilled a whole P.V earlier
+than a 16-bit slot.
 
 This module imports Triton's experimental Gluon frontend; ``triton_kernels`` imports it only when a
 CUDA device qualifies.
@@ -636,7 +639,7 @@ def _tile_scores(
     kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, pos, tile_start, end, nope_scale,
     NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, KV_FP8: gl.constexpr, GATHER: gl.constexpr,
     L: gl.constexpr, CHUNK: gl.constexpr, io_layout: gl.constexpr, conv_layout: gl.constexpr,
-    free=None, HAND_BACK: gl.constexpr = False,
+    free=None, HAND_BACK: gl.constexpr = False, pe_stage=None, PE_FP8: gl.constexpr = False,
 ):  # fmt: skip
     """Wait for the tile at ring position ``pos`` (``_await_tile``); its scores ``S^T = K Q^T``
     (complete).
@@ -647,7 +650,9 @@ def _tile_scores(
     two) in float32, apart from the RoPE part's, so the fp16 query needs no rounding. With
     ``HAND_BACK`` (a producer partition) its ring slot goes back on ``free`` before the nope
     scores are waited for: 0.4-0.8 % faster on (a8), (d8) and (e8), level on page size 1 (NOTES.md
-    item 53).
+    item 53). ``PE_FP8``: the slot's ``k_pe`` is float8 too; it is converted into ``pe_stage``
+    first (``[BLOCK_N, R]`` fp16, 16 values per thread at 8 warps), and its scores take the nope
+    scores' scale (``_store_query``).
     """
     slot = pos % NUM_STAGES
     kv = _await_tile(
@@ -656,25 +661,34 @@ def _tile_scores(
     q_t = q_smem.permute((1, 0))
     if KV_FP8:
         if HAS_PE:
-            # The RoPE scores need no conversion: the tensor cores run them while the warps
-            # convert.
+            pe_tile = pe_ring.index(slot)
+            if PE_FP8:
+                R: gl.constexpr = pe_tile.shape[1]
+                pe_layout: gl.constexpr = _conversion_layout(gl.num_warps(), R)
+                _convert_chunk(pe_tile, pe_stage, 0, tile_start, end, R, pe_layout)
+                fence_async_shared()
+                pe_tile = pe_stage
+            # The RoPE scores run on the tensor cores while the warps convert kv_c.
             s_pe = warpgroup_mma(
-                pe_ring.index(slot), qpe_smem.permute((1, 0)), s_zero, use_acc=False,
-                is_async=True,
-            )  # fmt: skip
+                pe_tile, qpe_smem.permute((1, 0)), s_zero, use_acc=False, is_async=True
+            )
         for c in gl.static_range(0, L, CHUNK):
             _convert_chunk(kv_ring.index(slot), stage, c, tile_start, end, CHUNK, conv_layout)
         fence_async_shared()
         s_t = warpgroup_mma(stage, q_t, s_zero, use_acc=False, is_async=True)
         if HAND_BACK:
             # The slot is read: its kv_c by the conversion, its k_pe by the RoPE scores (the
-            # older of the two wgmma groups). The producer refills it under the nope scores.
-            if HAS_PE:
+            # older of the two wgmma groups; a float8 k_pe by its conversion). The producer
+            # refills it under the nope scores.
+            if HAS_PE and not PE_FP8:
                 s_pe = warpgroup_mma_wait(num_outstanding=1, deps=(s_pe,))
             mbarrier.arrive(free.index(slot), count=1)
         if HAS_PE:
             s_t, s_pe = warpgroup_mma_wait(num_outstanding=0, deps=(s_t, s_pe))
-            s_t = s_t * nope_scale + s_pe
+            if PE_FP8:  # noqa: SIM108 (a compile-time choice; one branch is compiled)
+                s_t = (s_t + s_pe) * nope_scale
+            else:
+                s_t = s_t * nope_scale + s_pe
         else:
             s_t = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s_t = s_t * nope_scale
@@ -855,7 +869,8 @@ def _store_query(
     cache). ``FLOAT8_PRODUCTS``: ``q_smem`` is e4m3 ``[2 BLOCK_M, L]``, the query's two terms
     (``_e4m3_terms``). ``PE_FP8`` (a float8 ``k_pe``): ``qpe_smem`` is e4m3 ``[2 BLOCK_M, R]``,
     the RoPE part's two terms under the same power of two, so both parts' scores add up in one
-    accumulator with one scale."""
+    accumulator with one scale; converted (not ``FLOAT8_PRODUCTS``), the RoPE part in fp16 under
+    the nope part's power of two, so both parts' scores take the one scale."""
     dtype: gl.constexpr = q_smem.dtype
     nope_scale = kv_scale
     if FLOAT8_PRODUCTS:
@@ -873,11 +888,17 @@ def _store_query(
     elif KV_FP8:
         # The nope query in fp16 (exact for bf16): a power of two puts its largest value in
         # (2^13, 2^14], clear of fp16's overflow and subnormals (bf16 reaches 3e38); the nope
-        # scores take it back with kv_scale, in float32 (_tile_scores).
+        # scores take it back with kv_scale, in float32 (_tile_scores). PE_FP8: the RoPE query
+        # too, under the same power of two, against the tile's k_pe converted to fp16.
         q32 = q_nope.to(gl.float32)
         q_max = _abs_max(q32)
+        if PE_FP8:
+            qpe32 = q_pe.to(gl.float32)
+            q_max = gl.maximum(q_max, _abs_max(qpe32))
         q_shift = gl.where(q_max > 0.0, gl.ceil(gl.log2(q_max)) - 14.0, 0.0)
         q_smem.store((q32 * gl.exp2(-q_shift)).to(dtype))
+        if PE_FP8:
+            qpe_smem.store((qpe32 * gl.exp2(-q_shift)).to(dtype))
         nope_scale = kv_scale * gl.exp2(q_shift)
     else:
         q_smem.store(q_nope)
@@ -1021,11 +1042,13 @@ def _consume_tiles(
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
     KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
     STAMPS: gl.constexpr, FLOAT8_PRODUCTS: gl.constexpr = False, PE_FP8: gl.constexpr = False,
+    pe_stage=None,
 ):  # fmt: skip
     """The math warps: the query into shared memory, then for each tile its scores, the online
     softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
     ``FLOAT8_PRODUCTS``: float8 products (``_float8_tile``; ``PE_FP8``: ``k_pe`` in e4m3 too);
     ``O^T``'s rows are then permuted (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
+    Otherwise a float8 ``k_pe`` (``PE_FP8``) is converted into ``pe_stage`` (``_tile_scores``).
 
     With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
     without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
@@ -1105,7 +1128,7 @@ def _consume_tiles(
             s_t = _tile_scores(
                 kv_ring, pe_ring, stage, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
                 nope_scale, NUM_STAGES, HAS_PE, KV_FP8, GATHER, L, CONV_CHUNK, io_layout,
-                conv_layout, free, KV_FP8 and PRODUCER,
+                conv_layout, free, KV_FP8 and PRODUCER, pe_stage, PE_FP8,
             )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
@@ -1526,7 +1549,7 @@ def _mla_decode_wgmma_kernel(
     BLOCK_B: gl.constexpr,
     KV_FP8: gl.constexpr,  # kv_c in float8 e4m3: converted to fp16 in shared memory per tile
     FLOAT8_PRODUCTS: gl.constexpr,  # KV_FP8, 16 rows, L = 512, TMA: float8 wgmma, no conversion
-    PE_FP8: gl.constexpr,  # FLOAT8_PRODUCTS with k_pe in e4m3 too (R = 64)
+    PE_FP8: gl.constexpr,  # k_pe in e4m3 too (R = 64): float8 products, or converted to fp16
     CHUNK: gl.constexpr,  # columns gathered (GATHER) at a time
     GATHER: gl.constexpr,  # tiles copied row by row by cp.async (any page size), not by TMA
     FILL_EMPTY: gl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
@@ -1571,8 +1594,9 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
+    # A float8 k_pe: multiplied in float8, or converted to fp16 beside kv_c (also gathered);
     # R = 64, the width the GPU tests cover (float8 wgmma's K of 32 would allow any multiple).
-    gl.static_assert(not PE_FP8 or (FLOAT8_PRODUCTS and HAS_PE and R == 64))
+    gl.static_assert(not PE_FP8 or (KV_FP8 and HAS_PE and R == 64))
     q_dtype: gl.constexpr = Q.dtype.element_ty
     # The products' operand type: q's, or fp16 for a float8 kv_c (e4m3 -> fp16 is exact).
     if KV_FP8:
@@ -1681,7 +1705,8 @@ def _mla_decode_wgmma_kernel(
         )
     else:
         stage = kv_ring
-    if PE_FP8:
+    pe_stage = kv_ring  # unused unless a float8 k_pe is converted
+    if PE_FP8 and FLOAT8_PRODUCTS:
         # The RoPE query's two e4m3 terms (_store_query); the ring's k_pe as the descriptor's.
         qpe_smem = gl.allocate_shared_memory(
             gl.float8e4nv, [2 * BLOCK_M, R],
@@ -1690,6 +1715,24 @@ def _mla_decode_wgmma_kernel(
         pe_ring = gl.allocate_shared_memory(
             PE_DESC.dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout
         )  # fmt: skip
+    elif PE_FP8:
+        # Converted: the RoPE query in fp16 and the tile's k_pe converted into a tile of its own
+        # (8 KB at R = 64; the float8 ring slot gives back half of that).
+        qpe_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype)
+        )
+        if GATHER:
+            pe_ring = gl.allocate_shared_memory(
+                PE.dtype.element_ty, [NUM_STAGES, BLOCK_N, R],
+                gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], PE.dtype.element_ty),
+            )  # fmt: skip
+        else:
+            pe_ring = gl.allocate_shared_memory(
+                PE_DESC.dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout
+            )  # fmt: skip
+        pe_stage = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
+        )
     elif HAS_PE:
         qpe_smem = gl.allocate_shared_memory(
             q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
@@ -1769,7 +1812,7 @@ def _mla_decode_wgmma_kernel(
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
                         stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
                         PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER,
-                        True, STAMPS, FLOAT8_PRODUCTS, PE_FP8,
+                        True, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage,
                     ),
                 ),
                 (
@@ -1876,7 +1919,7 @@ def _mla_decode_wgmma_kernel(
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
                 STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
-                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS, PE_FP8,
+                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
@@ -2063,8 +2106,9 @@ def launch(
     copy-engine tiles of a 16-bit cache. longest_first: programs take the chunks longest first
     (``_longest_first``; None: ``default_longest_first``), else split-major. float8_products: a
     float8 ``kv_c`` multiplied in float8 (``_float8_tile``; None: ``default_float8_products``),
-    else converted to fp16. A float8 ``k_pe`` (the whole cache in e4m3, one ``kv_scale``) needs
-    float8 products and a width of 64.
+    else converted to fp16. A float8 ``k_pe`` (the whole cache in e4m3, one ``kv_scale``) needs a
+    float8 ``kv_c`` and a width of 64; without float8 products it is converted to fp16 as
+    ``kv_c`` is.
     merge_into: ``(final_out [B, S_q, H, L] in q's dtype, final_lse [B, S_q, H] float32,
     arrivals [B * row blocks] int32 zeros)``: the kernel writes the attention itself, merging a
     sequence's chunks in the program that finishes last (no ``mla::combine``); ``out``/``lse``
@@ -2100,10 +2144,10 @@ def launch(
             f"(4 warps) of copy-engine tiles; got kv_c {kv_c.dtype} of width {kv_len}, "
             f"block_m={block_m}, num_warps={num_warps}, gather={gather}"
         )
-    if pe_fp8 and not (float8_products and rope_len == 64):
+    if pe_fp8 and not (float8 and rope_len == 64):
         raise ValueError(
-            "a float8_e4m3fn k_pe is multiplied in float8 only: expected float8 products "
-            f"(float8_products={float8_products}) and a k_pe width of 64 (got {rope_len})"
+            "a float8_e4m3fn k_pe is read with a float8_e4m3fn kv_c at a k_pe width of 64; got "
+            f"kv_c {kv_c.dtype}, k_pe width {rope_len}"
         )
     batch, s_q, heads, _ = q.shape
     if longest_first is None:

@@ -182,11 +182,11 @@ def _fp8_whole_case(seed: int, dtype: torch.dtype, **kw):
 @pytest.mark.parametrize("seed", range(8))
 def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     """kv_c and k_pe both in float8 (one tensor, one scale) against the float64 reference of
-    the dequantised cache: 16-row programs of width 512 + 64 over whole 64-token pages read it
-    with the wgmma kernel, both parts' scores float8 products (NOTES.md item 58); every other
-    shape (128 heads, page size 1 or 16, another width) runs the Triton kernel. Of the 8 draws,
-    two take the wgmma kernel (16 and 3 heads on 128-token pages: splits, empty sequences,
-    partial last tiles, stale rows); S_q = 2 and 64-token pages on it are in
+    the dequantised cache: the wgmma kernel reads it at a RoPE width of 64, 16-row programs of
+    width 512 over whole 64-token pages with both parts' scores float8 products (NOTES.md item
+    58), every other program (32 and 64 rows, another kv_c width, gathered pages) converting both
+    parts to fp16 (item 62); another RoPE width runs the Triton kernel. The draws cover all three
+    (splits, empty sequences, partial last tiles, stale rows); S_q = 2 and 64-token pages are in
     ``test_fp8_cache_query_outside_fp16_range`` and
     ``test_float8_products_error_against_bf16_is_the_caches``."""
     import random
@@ -203,30 +203,68 @@ def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     kernels.LAST_LAUNCH.clear()
     out_p, lse_p = kernels.decode(*case.op_args())
     out, lse = kernels.combine(out_p, lse_p, dtype)
-    takes = heads * s_q <= 16 and dims == (512, 64) and page_size % 64 == 0
+    takes = dims[1] == 64
+    products = takes and heads * s_q <= 16 and dims[0] == 512 and page_size % 64 == 0
     assert (kernels.LAST_LAUNCH["decode_path"] == "wgmma") == takes, case.describe()
-    assert kernels.LAST_LAUNCH.get("wgmma_float8_products", False) == takes, case.describe()
+    assert kernels.LAST_LAUNCH.get("wgmma_float8_products", False) == products, case.describe()
     ref_out, ref_lse = case.reference()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
 @requires_hopper
-@pytest.mark.parametrize("whole", [False, True], ids=["pair", "whole"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("heads", "s_q", "dims", "page_size"),
+    [
+        (16, 2, (512, 64), 64),  # 32 rows (MTP): three ring slots
+        (21, 1, (512, 64), 128),  # 32-row programs, 11 rows masked
+        (128, 1, (512, 64), 64),  # two 64-row programs a chunk
+        (40, 3, (512, 64), 64),  # 120 rows: a partial second row block
+        (16, 1, (256, 64), 64),  # 16 rows of another width: converted, with a producer warp
+        (5, 3, (128, 64), 128),
+        (16, 1, (512, 64), 1),  # gathered rows: a producer warpgroup
+        (128, 1, (512, 64), 16),  # gathered, 64-row programs
+        (12, 2, (512, 64), 3),
+    ],
+)
+def test_fp8_whole_cache_converted(
+    kernels, heads: int, s_q: int, dims: tuple, page_size: int, dtype: torch.dtype
+) -> None:
+    """The whole row in float8 where it is not multiplied in float8 (more than 16 query rows,
+    another kv_c width, pages gathered row by row): k_pe converted to fp16 like kv_c, the RoPE
+    query in fp16 under the nope part's power of two (NOTES.md item 62). Exact conversions, so
+    the 16-bit tolerance against float64 attention over the dequantised cache; causal S_q > 1,
+    splits, an empty sequence, partial last tiles and stale (NaN) rows."""
+    case = _fp8_whole_case(
+        880 + heads + s_q, dtype, s_q=s_q, heads=heads, dims=dims, page_size=page_size,
+        lengths=[1000, 0, 70, 130], causal=s_q > 1, total_splits=6, num_splits=3,
+    )  # fmt: skip
+    out, lse = run(kernels, case)
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
+    assert not kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("layout", ["pair", "whole", "whole converted"])
 @pytest.mark.parametrize("query_max", [1e-6, 1.0, 6e4, 1e9])
-def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, whole: bool) -> None:
+def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, layout: str) -> None:
     """The fp16 nope query is moved into fp16's range by a power of two: a bf16 query from 1e-6
-    to 1e9 neither overflows nor rounds away (``whole``: k_pe in float8 too, both query parts'
-    e4m3 terms under one power of two)."""
-    make = _fp8_whole_case if whole else _fp8_pair_case
-    # 16 query rows for the whole-float8 cache: the programs that read a float8 k_pe.
+    to 1e9 neither overflows nor rounds away. ``whole``: k_pe in float8 too, in 16-row programs
+    both query parts' e4m3 terms under one power of two; ``whole converted``: in 32-row programs,
+    both query parts in fp16 under one power of two."""
+    make = _fp8_pair_case if layout == "pair" else _fp8_whole_case
+    heads = dict(pair=16, whole=8).get(layout, 16)  # x S_q = 2: 32, 16 and 32 query rows
     case = make(
-        850, torch.bfloat16, page_size=64, dims=(512, 64), heads=8 if whole else 16, s_q=2,
-        causal=True, lengths=[130, 64, 0],
+        850, torch.bfloat16, page_size=64, dims=(512, 64), heads=heads, s_q=2, causal=True,
+        lengths=[130, 64, 0],
     )  # fmt: skip
     case.q = case.q * (query_max / case.q.abs().max().item())
     case.softmax_scale /= query_max  # keep the scores' spread
     out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_float8_products"] or not whole
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    assert kernels.LAST_LAUNCH["wgmma_float8_products"] == (layout == "whole")
     ref_out, ref_lse = case.reference()
     assert torch.isfinite(out[:2]).all()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
@@ -829,8 +867,9 @@ def _meta_call(
         (dict(cache=FP8, pe_cache=FP8), None),
         (dict(cache=FP8, pe_cache=FP8, widths=(512, 32)), "k_pe width 32"),
         (dict(pe_cache=FP8), "neither q's (torch.bfloat16) nor a float8_e4m3fn kv_c"),
-        (dict(cache=FP8, pe_cache=FP8, heads=128), "k_pe is read only by 16-row programs"),
-        (dict(cache=FP8, pe_cache=FP8, widths=(256, 64)), "got 16 query rows, kv_c width 256"),
+        (dict(cache=FP8, pe_cache=FP8, heads=128), None),
+        (dict(cache=FP8, pe_cache=FP8, heads=8, s_q=4), None),
+        (dict(cache=FP8, pe_cache=FP8, widths=(256, 64)), None),
         (dict(cache=FP8, pe_cache=FP8, widths=(512, 16)), "k_pe width 16"),
         (dict(cache=torch.float16), "neither q's"),
         (dict(heads=128), None),
@@ -894,20 +933,21 @@ def test_loads_say_how_and_why(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
-def test_float8_k_pe_needs_copy_engine_tiles(monkeypatch) -> None:
-    """A whole-float8 cache in whole 64-token pages takes the wgmma kernel; gathered row by row
-    (page size 1) it does not, and ``wgmma_path`` says why."""
+def test_float8_k_pe_takes_the_wgmma_kernel_at_width_64(monkeypatch) -> None:
+    """A whole-float8 cache takes the wgmma kernel in whole 64-token pages (copy-engine tiles) and
+    gathered row by row (page size 1) alike (NOTES.md item 62); at a RoPE width of 32 it does
+    not, and ``wgmma_path`` says why."""
     from mla_ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
     monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
-    q = torch.zeros(2, 1, 16, 576, dtype=torch.bfloat16)
     table = torch.zeros(2, 4, dtype=torch.int32)
-    for page, how in ((64, "tma"), (1, None)):
-        cache = torch.zeros(8, page, 576, dtype=FP8)
+    for rope, page, how in ((64, 64, "tma"), (64, 1, "gather"), (32, 64, None)):
+        q = torch.zeros(2, 1, 16, 512 + rope, dtype=torch.bfloat16)
+        cache = torch.zeros(8, page, 512 + rope, dtype=FP8)
         loads, why = triton_kernels.wgmma_path(q, cache[..., :512], cache[..., 512:], table, None)
         assert loads == how, why
-    assert "pages gathered row by row" in why, why
+    assert "k_pe is read by the wgmma kernel at a width of 64; got k_pe width 32" in why, why
     assert triton_kernels.wgmma_loads(*[torch.zeros(8, 1, 64)] * 2, None)[0] is None
 
 
@@ -919,13 +959,16 @@ def test_no_wgmma_off_hopper() -> None:
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge"),
-    [(16, 2, None, 64, None, False), (64, 2, None, 64, None, False),
-     (64, 2, None, 64, False, False), (64, 2, None, 1, None, False),
-     (16, 2, "fp8e4nv", 64, None, False), (32, 3, "fp8e4nv", 64, None, False),
-     (16, 2, None, 1, None, False),
-     (64, 2, "fp8e4nv", 16, None, False), (16, 2, None, 64, None, True),
-     (64, 2, None, 64, None, True)],
+    ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge", "pe_dtype"),
+    [(16, 2, None, 64, None, False, None), (64, 2, None, 64, None, False, None),
+     (64, 2, None, 64, False, False, None), (64, 2, None, 1, None, False, None),
+     (16, 2, "fp8e4nv", 64, None, False, None), (32, 3, "fp8e4nv", 64, None, False, None),
+     (16, 2, None, 1, None, False, None),
+     (64, 2, "fp8e4nv", 16, None, False, None), (16, 2, None, 64, None, True, None),
+     (64, 2, None, 64, None, True, None),
+     # The whole row in float8, converted (NOTES.md item 62).
+     (64, 2, "fp8e4nv", 64, None, False, "fp8e4nv"), (32, 3, "fp8e4nv", 64, None, False, "fp8e4nv"),
+     (64, 2, "fp8e4nv", 16, None, False, "fp8e4nv"), (16, 2, "fp8e4nv", 1, None, False, "fp8e4nv")],
 )  # fmt: skip
 def test_compiles_to_wgmma_for_sm90(
     rows: int,
@@ -934,6 +977,7 @@ def test_compiles_to_wgmma_for_sm90(
     page_size: int,
     rows_on_m: bool | None,
     merge: bool,
+    pe_dtype: str | None,
 ) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
     (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
@@ -941,15 +985,16 @@ def test_compiles_to_wgmma_for_sm90(
     SM; 64 rows with the query rows on either MMA side. Over a float8 cache, the ring slots
     ``wgmma_stages`` picks (two at 16 rows, three at 32), and, where it is not multiplied in
     float8, the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the
-    stale-row select). Merging
-    (``mla::attention``): exactly one release-acquire arrival, partials read past L1."""
+    stale-row select), a float8 k_pe's too. Merging (``mla::attention``): exactly one
+    release-acquire arrival, partials read past L1."""
     from mla_ops import triton_kernels, wgmma_decode
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     gather = page_size % 64 != 0
     res = _offline_compile(
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
-        f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}, merge={merge}); "
+        f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}, merge={merge}, "
+        f"pe_dtype={pe_dtype!r}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['cvt_e4m3'] = ptx.count('cvt.rn.f16x2.e4m3x2'); r['m64n256'] = ptx.count('m64n256k16'); "
         "r['arrive'] = ptx.count('atom.global.gpu.acq_rel.add'); "
@@ -981,9 +1026,10 @@ def test_compiles_to_wgmma_for_sm90(
     if float8 and not products:
         # The tile converted in two branches (NOTES.md item 37): a split's last tile zeroes its
         # stale rows with a select, every other tile converts without one (a select shared by
-        # both would unpack every converted pair). Each branch converts the 64 x 512 tile two
-        # values per cvt, spread over all the kernel's threads.
-        assert res["cvt_e4m3"] == 2 * 64 * 512 // 2 // (warps * 32), res
+        # both would unpack every converted pair). Each branch converts the 64 x 512 tile (and
+        # a float8 k_pe's 64 x 64) two values per cvt, spread over all the math threads.
+        width = 512 + (64 if pe_dtype else 0)
+        assert res["cvt_e4m3"] == 2 * 64 * width // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
 
 
@@ -1067,14 +1113,14 @@ def test_float8_products_choice_and_its_checks() -> None:
             False, 1, None, block_m=16, num_warps=4, num_stages=2, min_chunk=256, granule=64,
             lengths_per_step=128, float8_products=True,
         )  # fmt: skip
-    # A float8 k_pe is read by float8 products only.
+    # A float8 k_pe is read with a float8 kv_c only (multiplied in float8 or converted).
     case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=1,
                      pair=True, lengths=[64])  # fmt: skip
     out = torch.empty(1, 1, 16, 1, 512)
-    with pytest.raises(ValueError, match="a float8_e4m3fn k_pe is multiplied in float8 only"):
+    with pytest.raises(ValueError, match="a float8_e4m3fn k_pe is read with a float8_e4m3fn kv_c"):
         wgmma_decode.launch(
-            case.q, case.kv_c.to(FP8), case.k_pe.to(FP8), case.cache_seqlens, case.block_table,
-            out, lse, 0.1, 1.0, False, 1, None, block_m=16, num_warps=4, num_stages=2,
+            case.q, case.kv_c, case.k_pe.to(FP8), case.cache_seqlens, case.block_table, out,
+            lse, 0.1, 1.0, False, 1, None, block_m=16, num_warps=4, num_stages=2,
             min_chunk=256, granule=64, lengths_per_step=128, float8_products=False,
         )  # fmt: skip
 
