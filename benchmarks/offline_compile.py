@@ -103,13 +103,14 @@ def compile_wgmma(
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
-    pe_dtype: str | None = None,
+    pe_dtype: str | None = None, mask: str | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
     by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
     ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice);
     ``pe_dtype="fp8e4nv"``: k_pe in float8 too (multiplied in float8, or converted).
+    ``mask``: an attention mask, ``"bool"`` or a float dtype (``"bf16"``).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -140,7 +141,7 @@ def compile_wgmma(
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
         ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS, MERGE=merge,
         MERGE_SPLITS=4 if merge else 1, STAMPS=stamps, LONGEST_FIRST=longest_first,
-        num_warps=warps,
+        HAS_MASK=mask is not None, MASK_IS_BOOL=mask == "bool", num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -160,7 +161,8 @@ def compile_wgmma(
             "LSE_OUT",
             "ARRIVALS",
             "STAMP_BUF",
-        ) or (name.startswith("stride_") and name not in const):
+            "MASK",
+        ) or (name.startswith("stride_") and name not in const and not name.startswith("stride_m")):
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in const:
             signature[name] = "constexpr"
@@ -178,6 +180,8 @@ def compile_wgmma(
             signature[name] = f"*{kv_dtype or dtype}"
         elif name in ("SEQLENS", "BLOCK_TABLE", "ARRIVALS"):
             signature[name] = "*i32"
+        elif name == "MASK":  # the launch passes ARRIVALS when there is no mask
+            signature[name] = {None: "*i32", "bool": "*u8"}.get(mask, f"*{mask}")
         elif name == "STAMP_BUF":
             signature[name] = "*i64"
         elif name in ("O_PART", "LSE_PART", "LSE_OUT"):

@@ -655,8 +655,6 @@ def wgmma_plan_path(
         why = _float8_pe_refusal(k_pe)
         if why:
             return False, why
-    if attn_mask is not None:
-        return False, "an attn_mask is given"
     if block_table is None:
         return False, "cache is not paged"
     # Widths the kernel was checked at on the GPU (L 64..512, R 0 or 16..64); wider rows need more
@@ -847,9 +845,12 @@ def _launch_wgmma(
     loads: str,
     fill_empty: bool = True,
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> None:
     """The wgmma kernel with its default tiling into partials ``out``/``lse`` (and, with
-    ``merge_into``, the final output: ``wgmma_decode.launch``); records it in ``LAST_LAUNCH``."""
+    ``merge_into``, the final output: ``wgmma_decode.launch``); records it in ``LAST_LAUNCH``.
+    An ``attn_mask`` is read by the transposed loop only, so 64-row programs take it instead of
+    the one-scorer or rows-on-M loop (NOTES.md item 63)."""
     from . import wgmma_decode
 
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
@@ -859,14 +860,15 @@ def _launch_wgmma(
     float8 = kv_c.dtype == torch.float8_e4m3fn
     gather = loads == "gather"
     stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
-    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
+    masked = attn_mask is not None
+    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather) and not masked
     LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
     if one_scorer:
         # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
         num_warps, producer_warps, rows_on_m = 4, 0, False
     else:
         producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
-        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8)
+        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8) and not masked
     LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
     LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
     float8_products = wgmma_decode.default_float8_products(block_m, kv_len, float8, gather)
@@ -891,6 +893,7 @@ def _launch_wgmma(
             lengths_per_step=LENGTHS_PER_STEP, gather=gather, fill_empty=fill_empty,
             producer_warps=producer_warps, rows_on_m=rows_on_m, one_scorer=one_scorer,
             merge_into=merge_into, longest_first=longest_first, float8_products=float8_products,
+            attn_mask=attn_mask,
         )  # fmt: skip
 
 
@@ -929,7 +932,7 @@ def decode(
     if loads:
         _launch_wgmma(
             q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, causal,
-            num_splits, total_splits, loads, fill_empty=fill_empty,
+            num_splits, total_splits, loads, fill_empty=fill_empty, attn_mask=attn_mask,
         )  # fmt: skip
         return out, lse
     block_l = _next_pow2(kv_len)
@@ -1194,6 +1197,6 @@ def attention(
     _launch_wgmma(
         q, kv_c, k_pe, cache_seqlens, block_table, out_partial, lse_partial, softmax_scale,
         kv_scale, causal, num_splits, total_splits, loads, fill_empty=False,
-        merge_into=(out, lse, arrivals),
+        merge_into=(out, lse, arrivals), attn_mask=attn_mask,
     )  # fmt: skip
     return out, lse

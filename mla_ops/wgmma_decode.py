@@ -3,9 +3,10 @@
 Same contract as ``triton_kernels._mla_decode_kernel`` (partials ``[B, S_q, H, splits, L]`` in
 float32 and their lse, the same split bounds, NaN rows for tokens at an invalid cache location), for
 the common serving layout only: a paged cache (pages of whole 64-token tiles go through TMA, any
-other page size is gathered row by row), no attention mask, with ``kv_c`` in q's dtype (bf16/fp16)
-or in float8 e4m3 with a per-tensor scale (``k_pe`` in q's dtype, or in e4m3 too where the
-program multiplies in float8). ``wgmma_path`` says whether a call qualifies and, if not, why.
+other page size is gathered row by row), with ``kv_c`` in q's dtype (bf16/fp16) or in float8 e4m3
+with a per-tensor scale (``k_pe`` in q's dtype, or in e4m3 too at a width of 64), and optionally
+an attention mask (bool or float, read by the transposed loop: ``_consume_tiles``; NOTES.md item
+63). ``wgmma_path`` says whether a call qualifies and, if not, why.
 
 Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
 so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
@@ -156,6 +157,9 @@ P_E4M3_SCALE = gl.constexpr(256.0)
 # The query's second e4m3 term is its remainder after rounding times this: at most half an e4m3
 # step (1/16 of the value), so at most 28 x 16 = 448.
 QUERY_REMAINDER_SCALE = gl.constexpr(16.0)
+# A float attention mask's value at or below this hides its key (``reference.MASK_HIDDEN``; a
+# test checks that they agree: this module also loads from a file of its own for A/B runs).
+MASK_HIDDEN = gl.constexpr(-1e30)
 
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
 # ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
@@ -950,8 +954,82 @@ def _row_max_across_warps(s_t, max_smem):
 
 
 @gluon.jit
+def _mask_load(
+    MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
+    S_Q: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    MASK_IS_BOOL: gl.constexpr, layout: gl.constexpr,
+):  # fmt: skip
+    """The attention mask's values over one tile as stored, in the scores' ``S^T`` layout
+    ``[BLOCK_N tokens, BLOCK_M rows]``; a row's mask row is its query position's (``row // H``),
+    shared by the heads. Nothing is read at keys past ``end`` or ``MASK_LEN`` or in rows past
+    ``S_Q * H`` (a bool mask gives 0 there, a float one -inf). The loop loads a tile ahead, so
+    that the loads run under a tile's math (``_mask_visible``, ``_mask_bias`` read them)."""
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
+    ok = ((tokens < end) & (tokens < MASK_LEN))[:, None] & (rows < S_Q * H)[None, :]
+    ptr = MASK + b64 * stride_mb + (rows // H)[None, :] * stride_ms + tokens[:, None] * stride_mt
+    if MASK_IS_BOOL:
+        return gl.load(ptr, mask=ok, other=0)
+    else:
+        return gl.load(ptr, mask=ok, other=float("-inf"))
+
+
+@gluon.jit
+def _mask_visible(raw, MASK_IS_BOOL: gl.constexpr):
+    """Which keys ``_mask_load``'s values leave visible: a bool mask's true ones, a float mask's
+    above ``MASK_HIDDEN`` (the Triton kernel's and ``reference.mask_over_capacity``'s rule)."""
+    if MASK_IS_BOOL:
+        return raw != 0
+    else:
+        return raw.to(gl.float32) > MASK_HIDDEN
+
+
+@gluon.jit
+def _mask_bias(raw, visible):
+    """A float mask's bias in log2 units, 0 where it hides the key."""
+    return gl.where(visible, raw.to(gl.float32) * 1.4426950408889634, 0.0)
+
+
+@gluon.jit
+def _zero_hidden_rows(tile, visible, tile_start, end, io_layout: gl.constexpr):
+    """Zero the rows of ``tile [BLOCK_N, W]`` (a value tile in shared memory) whose key the mask
+    hides from every row of the program, when there are any before ``end``: ``P = 0`` times what
+    such a row holds must stay 0, and Hugging Face's eager float64 prefill writes NaN at pad
+    positions (the Triton kernel leaves those rows out of its loads). ``visible``:
+    ``_mask_visible``'s.
+    Rows past ``end`` are zeroed (or never read) elsewhere."""
+    BLOCK_N: gl.constexpr = tile.shape[0]
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, visible.type.layout))
+    hidden = (gl.max(visible.to(gl.int32), 1) == 0) & (tokens < end)
+    if gl.max(hidden.to(gl.int32), 0) > 0:
+        keep = gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None]
+        WIDTH: gl.constexpr = tile.shape[1]
+        ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
+        for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
+            part = tile.slice(c, ZERO_CHUNK, dim=1)
+            values = part.load(io_layout)
+            part.store(gl.where(keep, values, gl.zeros_like(values)))
+        fence_async_shared()
+
+
+@gluon.jit
+def _zero_hidden_columns(v_t, visible, tile_start, end):
+    """``_zero_hidden_rows`` for float8 products: ``V^T``'s columns (tokens) in registers, not
+    the ring slot's rows (stores into the slot there made ptxas serialise the loop's wgmma:
+    NOTES.md item 63)."""
+    BLOCK_N: gl.constexpr = v_t.shape[1]
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, visible.type.layout))
+    hidden = (gl.max(visible.to(gl.int32), 1) == 0) & (tokens < end)
+    if gl.max(hidden.to(gl.int32), 0) > 0:
+        keep = gl.convert_layout(~hidden, gl.SliceLayout(0, v_t.type.layout))[None, :]
+        v_t = gl.where(keep, v_t, gl.zeros_like(v_t))
+    return v_t
+
+
+@gluon.jit
 def _online_softmax(
-    s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0, max_smem=None
+    s, m_i, l_i, offs_n, end, last_key, scale_log2, TOKENS: gl.constexpr = 0, max_smem=None,
+    mask_visible=None, mask_bias=None,
 ):  # fmt: skip
     """One tile's step of the online softmax in the exp2 domain.
 
@@ -960,13 +1038,20 @@ def _online_softmax(
     shaped like ``s`` whose total along ``TOKENS`` is the running sum (when a row's tokens lie
     across warpgroups, this leaves the cross-warpgroup sum to the end). ``max_smem``: the row
     maxima across warps through this buffer (``_row_max_across_warps``) instead of Triton's
-    reduction. Returns ``P`` (or ``P^T``), the new running max and sum, and ``alpha``, the factor
-    that rescales the output accumulated so far.
+    reduction. ``mask_visible``, ``mask_bias``: an attention mask's (``_mask_visible``,
+    ``_mask_bias``, shaped like ``s``; no bias for a bool mask). Returns ``P`` (or ``P^T``), the
+    new running max and sum, and ``alpha``, the factor that rescales the output accumulated so
+    far.
     """
     ROWS: gl.constexpr = 1 - TOKENS
     keys = gl.expand_dims(offs_n, ROWS)
     visible = (keys < end) & (keys <= gl.expand_dims(last_key, TOKENS))
-    s = gl.where(visible, s * scale_log2, float("-inf"))
+    if mask_visible is None:
+        s = gl.where(visible, s * scale_log2, float("-inf"))
+    elif mask_bias is None:
+        s = gl.where(visible & mask_visible, s * scale_log2, float("-inf"))
+    else:
+        s = gl.where(visible & mask_visible, s * scale_log2 + mask_bias, float("-inf"))
     if max_smem is None:  # noqa: SIM108 (a compile-time choice; one branch is compiled)
         tile_max = gl.max(s, TOKENS)
     else:
@@ -1042,13 +1127,17 @@ def _consume_tiles(
     BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, HAS_PE: gl.constexpr,
     KV_FP8: gl.constexpr, CHUNK: gl.constexpr, GATHER: gl.constexpr, PRODUCER: gl.constexpr,
     STAMPS: gl.constexpr, FLOAT8_PRODUCTS: gl.constexpr = False, PE_FP8: gl.constexpr = False,
-    pe_stage=None,
+    pe_stage=None, MASK=None, stride_mb=0, stride_ms=0, stride_mt=0, MASK_LEN=0,
+    HAS_MASK: gl.constexpr = False, MASK_IS_BOOL: gl.constexpr = False,
 ):  # fmt: skip
     """The math warps: the query into shared memory, then for each tile its scores, the online
     softmax and P.V; returns ``O^T``, the running max and sum, and ``n_bad``.
     ``FLOAT8_PRODUCTS``: float8 products (``_float8_tile``; ``PE_FP8``: ``k_pe`` in e4m3 too);
     ``O^T``'s rows are then permuted (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
     Otherwise a float8 ``k_pe`` (``PE_FP8``) is converted into ``pe_stage`` (``_tile_scores``).
+    ``HAS_MASK``: an attention mask ``MASK [B, S_q, MASK_LEN]`` (bool as bytes, or float) read
+    a tile ahead (``_mask_load``), its fully hidden keys' value rows zeroed
+    (``_zero_hidden_rows``).
 
     With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
     without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
@@ -1103,6 +1192,11 @@ def _consume_tiles(
     if FLOAT8_PRODUCTS:
         # P.V stays in flight into the next tile (an accumulator from here on).
         o_t = warpgroup_mma_init(o_t)
+    if HAS_MASK:
+        mask_raw = _mask_load(
+            MASK, b64, row_block, start, end, stride_mb, stride_ms, stride_mt, MASK_LEN, S_Q, H,
+            BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout,
+        )  # fmt: skip
 
     # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
     # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
@@ -1119,6 +1213,19 @@ def _consume_tiles(
                 PAGE_SIZE, BLOCK_N, GATHER, gather_layout,
             )  # fmt: skip
             n_bad += bad
+        mask_visible = None
+        mask_bias = None
+        if HAS_MASK:
+            # The next tile's values go out now and are read one tile later: loaded in the
+            # tile that uses them, they put a load's latency into the float8 loop's chain.
+            mask_next = _mask_load(
+                MASK, b64, row_block, tile_start + BLOCK_N, end, stride_mb, stride_ms, stride_mt,
+                MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout,
+            )  # fmt: skip
+            mask_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            if not MASK_IS_BOOL:
+                mask_bias = _mask_bias(mask_raw, mask_visible)
+            mask_raw = mask_next
         if FLOAT8_PRODUCTS:
             s_t, o_t = _float8_tile(
                 kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end,
@@ -1132,12 +1239,19 @@ def _consume_tiles(
             )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
+        if HAS_MASK and not FLOAT8_PRODUCTS:
+            # The value rows of keys hidden from every row: the ring slot's (read by P.V), or a
+            # converted tile's. (Float8 products zero them in V^T's registers instead.)
+            v_tile = stage if KV_FP8 else kv_ring.index(slot)
+            _zero_hidden_rows(v_tile, mask_visible, tile_start, end, io_layout)
         if FLOAT8_PRODUCTS:
             p_t, m_i, l_i, alpha = _online_softmax(
                 s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 0,
-                max_smem.index(i % 2),
+                max_smem.index(i % 2), mask_visible, mask_bias,
             )  # fmt: skip
             v_t = _float8_vt(kv_ring.index(slot), vt_layout)
+            if HAS_MASK:
+                v_t = _zero_hidden_columns(v_t, mask_visible, tile_start, end)
             # V^T is in registers and the scores' products have read the slot: it goes back to
             # the copies now, not after P.V (which reads only registers and p_smem). The barrier
             # makes every warp's loads complete first (handed back without one, loads still
@@ -1155,8 +1269,9 @@ def _consume_tiles(
             )  # fmt: skip
         if not FLOAT8_PRODUCTS:
             p_t, m_i, l_i, alpha = _online_softmax(
-                s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2
-            )
+                s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 0, None,
+                mask_visible, mask_bias,
+            )  # fmt: skip
         o_t = o_t * gl.convert_layout(alpha, gl.SliceLayout(0, o_layout))[None, :]
         if FLOAT8_PRODUCTS:
             # P^T K-major, as float8 wgmma's B must be: p_smem is [BLOCK_M, BLOCK_N] e4m3.
@@ -1519,6 +1634,7 @@ def _mla_decode_wgmma_kernel(
     PE_DESC,  # TMA descriptor of k_pe as [num_pages * page_size, R], [BLOCK_N, R] tiles
     KV,  # kv_c [num_pages, page_size, L] (GATHER)
     PE,  # k_pe [num_pages, page_size, R] (GATHER)
+    MASK,  # HAS_MASK: [B, S_q, MASK_LEN] attention mask, bool (as uint8) or float
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_btb, stride_btp,
     stride_kvp, stride_kvt, stride_pep, stride_pet,  # GATHER: in 16-byte units
@@ -1526,8 +1642,10 @@ def _mla_decode_wgmma_kernel(
     stride_lb, stride_ls, stride_lh, stride_lk,
     stride_fb, stride_fs, stride_fh, stride_fd,
     stride_gb, stride_gs, stride_gh,
+    stride_mb, stride_ms, stride_mt,
     NUM_PAGES,
     MAX_PAGES,
+    MASK_LEN,  # HAS_MASK: keys at and past it are hidden
     scale_log2,  # softmax_scale * log2(e)
     kv_scale,  # dequantisation scale of a float8 kv_c (1.0 otherwise)
     num_splits,
@@ -1562,6 +1680,8 @@ def _mla_decode_wgmma_kernel(
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
     LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
+    HAS_MASK: gl.constexpr,  # an attention mask (the transposed loop, _consume_tiles)
+    MASK_IS_BOOL: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
@@ -1594,6 +1714,7 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
+    gl.static_assert(not HAS_MASK or not (ROWS_ON_M or ONE_SCORER))
     # A float8 k_pe: multiplied in float8, or converted to fp16 beside kv_c (also gathered);
     # R = 64, the width the GPU tests cover (float8 wgmma's K of 32 would allow any multiple).
     gl.static_assert(not PE_FP8 or (KV_FP8 and HAS_PE and R == 64))
@@ -1812,7 +1933,8 @@ def _mla_decode_wgmma_kernel(
                         stride_btb, stride_btp, NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt,
                         stride_pep, stride_pet, scale_log2, kv_scale, STAMP_ROW, S_Q, H, L, R,
                         PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8, CHUNK, GATHER,
-                        True, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage,
+                        True, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage, MASK, stride_mb,
+                        stride_ms, stride_mt, MASK_LEN, HAS_MASK, MASK_IS_BOOL,
                     ),
                 ),
                 (
@@ -1919,7 +2041,8 @@ def _mla_decode_wgmma_kernel(
                 stride_qb, stride_qs, stride_qh, stride_qd, stride_btb, stride_btp, NUM_PAGES,
                 MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, scale_log2, kv_scale,
                 STAMP_ROW, S_Q, H, L, R, PAGE_SIZE, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, KV_FP8,
-                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage,
+                CHUNK, GATHER, False, STAMPS, FLOAT8_PRODUCTS, PE_FP8, pe_stage, MASK, stride_mb,
+                stride_ms, stride_mt, MASK_LEN, HAS_MASK, MASK_IS_BOOL,
             )  # fmt: skip
 
     for i in gl.static_range(NUM_STAGES):
@@ -2092,6 +2215,7 @@ def launch(
     stamps: torch.Tensor | None = None,
     longest_first: bool | None = None,
     float8_products: bool | None = None,
+    attn_mask: torch.Tensor | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -2116,6 +2240,8 @@ def launch(
     zero again when the kernel ends.
     stamps: an instrument, ``[programs, STAMP_SLOTS]`` int64 that every program fills with its
     phase stamps (``STAMP_FIELDS``; the op never passes one).
+    attn_mask: ``[B, S_q, T_m]`` bool or float (``mla::decode``'s rules), read by the transposed
+    loop only (not ``rows_on_m`` or ``one_scorer``).
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
@@ -2131,7 +2257,12 @@ def launch(
         rows_on_m = False
         producer_warps = 0
     if rows_on_m is None:
-        rows_on_m = default_rows_on_m(block_m, num_warps, float8)
+        rows_on_m = default_rows_on_m(block_m, num_warps, float8) and attn_mask is None
+    if attn_mask is not None and (rows_on_m or one_scorer):
+        raise ValueError(
+            "attn_mask: read by the transposed loop only; got rows_on_m="
+            f"{rows_on_m}, one_scorer={one_scorer}"
+        )
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     pe_fp8 = rope_len > 0 and k_pe.dtype == torch.float8_e4m3fn
     if float8_products is None:
@@ -2177,6 +2308,11 @@ def launch(
     # Without merge_into the final pointers are never used: the partials stand in for them.
     final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
     final_strides = (*final_out.stride(), *final_lse.stride()) if merge_into else (0,) * 7
+    mask, mask_strides, mask_len = None, (0, 0, 0), 0
+    if attn_mask is not None:
+        # A bool tensor is read as bytes (same storage, no copy).
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        mask_strides, mask_len = mask.stride(), mask.shape[-1]
     if stamps is not None and (
         stamps.dtype != torch.int64 or tuple(stamps.shape) != (grid[0], STAMP_SLOTS.value)
     ):
@@ -2198,6 +2334,7 @@ def launch(
         pe_desc,
         kv_c,
         pe,
+        mask if attn_mask is not None else arrivals,
         *q.stride(),
         *block_table.stride(),
         *vec_strides(kv_c),
@@ -2205,8 +2342,10 @@ def launch(
         *out.stride(),
         *lse.stride(),
         *final_strides,
+        *mask_strides,
         kv_c.shape[0],
         block_table.shape[1],
+        mask_len,
         softmax_scale * 1.4426950408889634,
         1.0 if kv_scale is None else kv_scale,
         num_splits,
@@ -2241,5 +2380,7 @@ def launch(
         MERGE_SPLITS=triton.next_power_of_2(num_splits) if merge_into is not None else 1,
         STAMPS=stamps is not None,
         LONGEST_FIRST=longest_first,
+        HAS_MASK=attn_mask is not None,
+        MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
         num_warps=num_warps,
     )

@@ -10,6 +10,9 @@ row in float8 (``8e``), and says which kernel ran; each float8 output is checked
 attention over the dequantised cache.
 
     python benchmarks/experiments/fp8_rows.py --cases b,a2,f --out $OUT
+
+``--mask``: every call also passes an all-visible bf16 ``attn_mask`` (zeros), what a rewritten
+Hugging Face decode step passes (``bench_decode``'s case ``am``; NOTES.md item 63).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="b,a2")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--mask", action="store_true", help="an all-visible bf16 attn_mask too")
     args = ap.parse_args()
     ceil = bd.ceilings()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -43,7 +47,7 @@ def main() -> None:
     for name in args.cases.split(","):
         base = bd.CASES.get(name) or EXTRA[name]
         for suffix, kw in (("", {}), ("8", dict(fp8=True)), ("8e", dict(fp8=True, fp8_rope=True))):
-            case = replace(base, name=name + suffix, **kw)
+            case = replace(base, name=name + suffix, mask=args.mask, **kw)
             copies = bd.input_copies(case, l2)
             if case.fp8:
                 ref = dequantised_reference(copies[0], case).float()
@@ -58,8 +62,9 @@ def main() -> None:
             print(rows[-1], flush=True)
             del copies, fns
             torch.cuda.empty_cache()
-    bd.save_experiment(args.out, "fp8_rows", ceil, rows)
-    print(f"\n{torch.cuda.get_device_name()}; torch {torch.__version__}, "
+    bd.save_experiment(args.out, "fp8_rows" + ("_mask" if args.mask else ""), ceil, rows)
+    print(f"\n{'with' if args.mask else 'without'} an all-visible attn_mask")
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, "
           f"triton {bd.triton.__version__}; {ceil}")  # fmt: skip
     print(f"{'case':8}{'us':>9}{'vs bf16':>9}{'kernel':>10}  err")
     base_us = {}

@@ -246,6 +246,98 @@ def test_fp8_whole_cache_converted(
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
 
+def _poison_hidden_paged(case) -> None:
+    """NaN into every cached row (``kv_c`` and ``k_pe``) of a paged cache that ``case.attn_mask``
+    hides from all query positions: Hugging Face's eager float64 prefill leaves NaN at left-pad
+    positions, and they must not leak (``cases.poison_hidden_keys`` for a dense cache)."""
+    mask = case.attn_mask
+    hidden = ~mask.bool().any(dim=1) if mask.dtype == torch.bool else (mask <= -1e30).all(dim=1)
+    page_size = case.kv_c.shape[1]
+    for b, length in enumerate(case.cache_seqlens.tolist()):
+        for t in range(min(length, hidden.shape[1])):
+            if hidden[b, t]:
+                page, row = int(case.block_table[b, t // page_size]), t % page_size
+                for part in (case.kv_c, case.k_pe):
+                    if part.shape[-1] and part.dtype == FP8:
+                        part.view(torch.uint8)[page, row] = 0x7F  # e4m3fn's NaN
+                    elif part.shape[-1]:
+                        part[page, row] = float("nan")
+
+
+MASKED_SHAPES = {
+    "16 rows": dict(heads=16, s_q=1, page_size=64),
+    "16 rows gathered": dict(heads=16, s_q=1, page_size=1),
+    "32 rows": dict(heads=16, s_q=2, page_size=64),
+    "64 rows": dict(heads=128, s_q=1, page_size=64),
+    "64 rows gathered": dict(heads=40, s_q=2, page_size=16),
+    "float8 products": dict(heads=16, s_q=1, page_size=64, fp8="pair"),
+    "float8 products, whole row": dict(heads=8, s_q=2, page_size=64, fp8="whole"),
+    "float8 converted, 64 rows": dict(heads=128, s_q=1, page_size=64, fp8="whole"),
+    "float8 converted, gathered": dict(heads=16, s_q=2, page_size=3, fp8="pair"),
+}
+
+
+@requires_hopper
+@pytest.mark.parametrize("kind", ["bool", "float"])
+@pytest.mark.parametrize("shape", list(MASKED_SHAPES))
+def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> None:
+    """An ``attn_mask`` (left padding, random holes, a fully hidden query row, a mask shorter or
+    longer than the cache; Hugging Face's ``finfo.min`` fill) read by the wgmma kernel's
+    transposed loop in every tiling it runs (NOTES.md item 63): 16-, 32- and 64-row programs,
+    copy-engine and gathered tiles, float8 products and conversions; against the float64
+    reference, with NaN written at every key the mask hides from all queries (they must not
+    leak: the kernel zeroes their value rows)."""
+    kw = dict(MASKED_SHAPES[shape])
+    fp8 = kw.pop("fp8", None)
+    args = dict(
+        dims=(512, 64), lengths=[700, 0, 300, 70], causal=True, num_splits=3, total_splits=8,
+        mask=kind, **kw,
+    )  # fmt: skip
+    seed = 1300 + len(shape) + (kind == "float")
+    if fp8 == "pair":
+        case = _fp8_pair_case(seed, torch.bfloat16, **args)
+    elif fp8 == "whole":
+        case = _fp8_whole_case(seed, torch.bfloat16, **args)
+    else:
+        case = make_case(seed, dtype=torch.bfloat16, device="cuda", pair=False, **args)
+    ref_out, ref_lse = case.reference()
+    _poison_hidden_paged(case)
+    out, lse = run(kernels, case)
+    assert not kernels.LAST_LAUNCH["wgmma_one_scorer"]
+    assert not kernels.LAST_LAUNCH["wgmma_rows_on_m"]
+    products = kernels.LAST_LAUNCH["wgmma_float8_products"]
+    assert products == shape.startswith("float8 products"), shape
+    assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize("heads", [16, 128])
+def test_attention_mask_merged_in_the_kernel(kernels, heads: int) -> None:
+    """``mla::attention`` with a mask and at most ``MERGE_MAX_SPLITS`` splits: the wgmma kernel
+    masks and writes the output itself (one chunk, or merged by the last to arrive), as the
+    float64 reference says."""
+    case = make_case(
+        1320 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64),
+        heads=heads, s_q=1, lengths=[900, 64, 0], causal=True, mask="float", pair=False,
+        num_splits=kernels.MERGE_MAX_SPLITS, total_splits=4,
+    )  # fmt: skip
+    ref_out, ref_lse = case.reference()
+    _poison_hidden_paged(case)
+    out, lse = kernels.attention(*case.op_args())
+    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
+    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+def test_mask_hidden_threshold_matches_the_reference() -> None:
+    """The wgmma kernel's ``MASK_HIDDEN`` is the reference's (the module keeps its own copy)."""
+    if not _gluon_available():
+        pytest.skip("Triton without Gluon's Hopper module")
+    from mla_ops import reference, wgmma_decode
+
+    assert wgmma_decode.MASK_HIDDEN.value == reference.MASK_HIDDEN
+
+
 @requires_hopper
 @pytest.mark.parametrize("layout", ["pair", "whole", "whole converted"])
 @pytest.mark.parametrize("query_max", [1e-6, 1.0, 6e4, 1e9])
@@ -894,9 +986,9 @@ def test_plan_path_says_why(monkeypatch, change, reason) -> None:
     if reason is None:
         ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, None, None)
         assert not ok and "not paged" in why
+        # An attn_mask is read by the transposed loop (NOTES.md item 63).
         mask = torch.empty(2, 1, 320, device="meta")
-        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)
-        assert not ok and "attn_mask" in why
+        assert triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)[0]
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
@@ -1031,6 +1123,31 @@ def test_compiles_to_wgmma_for_sm90(
         width = 512 + (64 if pe_dtype else 0)
         assert res["cvt_e4m3"] == 2 * 64 * width // 2 // (warps * 32), res
     assert res["arrive"] == int(merge) and (res["cg"] > 0) == merge, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize(
+    ("rows", "warps", "kv_dtype", "page_size", "mask"),
+    [(16, 4, None, 64, "bf16"), (16, 4, None, 1, "bool"), (16, 4, "fp8e4nv", 64, "bf16"),
+     (64, 8, None, 64, "bool"), (32, 8, None, 64, "bf16")],
+)  # fmt: skip
+def test_masked_builds_compile(rows: int, warps: int, kv_dtype, page_size: int, mask: str) -> None:
+    """With an attention mask (NOTES.md item 63) the transposed loop compiles for sm_90 in the
+    tilings the op gives masked calls (a 64-row program takes it instead of the one-scorer or
+    rows-on-M loop): wgmma, no mma.sync, at most a few spilled scalars, shared memory within an
+    SM and within ``wgmma_shared_memory``'s bound."""
+    from mla_ops import triton_kernels
+
+    gather = page_size % 64 != 0
+    res = _offline_compile(
+        f"k = oc.compile_wgmma({rows}, 2, warps={warps}, kv_dtype={kv_dtype!r}, "
+        f"page_size={page_size}, gather={gather}, rows_on_m=False, mask={mask!r}); "
+        "print(oc.resources(k))"
+    )
+    assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
+    assert res["spill_bytes"] < 256, res
+    bound = triton_kernels.wgmma_shared_memory(rows, 512, 64, 2, kv_dtype is not None)
+    assert res["shared_bytes"] <= min(bound, 232448), res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
