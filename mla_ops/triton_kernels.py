@@ -849,8 +849,8 @@ def _launch_wgmma(
 ) -> None:
     """The wgmma kernel with its default tiling into partials ``out``/``lse`` (and, with
     ``merge_into``, the final output: ``wgmma_decode.launch``); records it in ``LAST_LAUNCH``.
-    An ``attn_mask`` is read by the transposed loop only, so 64-row programs take it instead of
-    the one-scorer or rows-on-M loop (NOTES.md item 63)."""
+    An ``attn_mask`` is read by the transposed and one-scorer loops, so gathered 64-row programs
+    take the transposed loop instead of the rows-on-M one (NOTES.md items 63-64)."""
     from . import wgmma_decode
 
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
@@ -861,7 +861,7 @@ def _launch_wgmma(
     gather = loads == "gather"
     stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
     masked = attn_mask is not None
-    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather) and not masked
+    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
     LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
     if one_scorer:
         # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.

@@ -5,8 +5,8 @@ float32 and their lse, the same split bounds, NaN rows for tokens at an invalid 
 the common serving layout only: a paged cache (pages of whole 64-token tiles go through TMA, any
 other page size is gathered row by row), with ``kv_c`` in q's dtype (bf16/fp16) or in float8 e4m3
 with a per-tensor scale (``k_pe`` in q's dtype, or in e4m3 too at a width of 64), and optionally
-an attention mask (bool or float, read by the transposed loop: ``_consume_tiles``; NOTES.md item
-63). ``wgmma_path`` says whether a call qualifies and, if not, why.
+an attention mask (bool or float, read by the transposed and one-scorer loops; NOTES.md items 63
+and 64). ``wgmma_path`` says whether a call qualifies and, if not, why.
 
 Why a second kernel: the Triton kernel's 16-row programs put the query rows on the MMA's M side,
 so Triton emits ``mma.sync`` with every warp holding the whole 16 x 576 query in registers; the
@@ -957,17 +957,24 @@ def _row_max_across_warps(s_t, max_smem):
 def _mask_load(
     MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
     S_Q: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    MASK_IS_BOOL: gl.constexpr, layout: gl.constexpr,
+    MASK_IS_BOOL: gl.constexpr, layout: gl.constexpr, TOKENS: gl.constexpr = 0,
 ):  # fmt: skip
-    """The attention mask's values over one tile as stored, in the scores' ``S^T`` layout
-    ``[BLOCK_N tokens, BLOCK_M rows]``; a row's mask row is its query position's (``row // H``),
-    shared by the heads. Nothing is read at keys past ``end`` or ``MASK_LEN`` or in rows past
-    ``S_Q * H`` (a bool mask gives 0 there, a float one -inf). The loop loads a tile ahead, so
-    that the loads run under a tile's math (``_mask_visible``, ``_mask_bias`` read them)."""
-    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
-    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, layout))
-    ok = ((tokens < end) & (tokens < MASK_LEN))[:, None] & (rows < S_Q * H)[None, :]
-    ptr = MASK + b64 * stride_mb + (rows // H)[None, :] * stride_ms + tokens[:, None] * stride_mt
+    """The attention mask's values over one tile as stored, in the scores' layout: ``S^T
+    [BLOCK_N tokens, BLOCK_M rows]`` (``TOKENS`` 0) or ``S [BLOCK_M, BLOCK_N]`` (1, rows on M);
+    a row's mask row is its query position's (``row // H``), shared by the heads. Nothing is read
+    at keys past ``end`` or ``MASK_LEN`` or in rows past ``S_Q * H`` (a bool mask gives 0 there,
+    a float one -inf). The loads must run under a tile's math: the transposed loop issues them a
+    tile ahead, the one-scorer loop before its scores (``_mask_visible``, ``_mask_bias`` read
+    them)."""
+    ROWS: gl.constexpr = 1 - TOKENS
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(TOKENS, layout))
+    token_ok = gl.expand_dims((tokens < end) & (tokens < MASK_LEN), ROWS)
+    ok = token_ok & gl.expand_dims(rows < S_Q * H, TOKENS)
+    ptr = (
+        MASK + b64 * stride_mb + gl.expand_dims((rows // H) * stride_ms, TOKENS)
+        + gl.expand_dims(tokens * stride_mt, ROWS)
+    )  # fmt: skip
     if MASK_IS_BOOL:
         return gl.load(ptr, mask=ok, other=0)
     else:
@@ -991,16 +998,20 @@ def _mask_bias(raw, visible):
 
 
 @gluon.jit
-def _zero_hidden_rows(tile, visible, tile_start, end, io_layout: gl.constexpr):
+def _zero_hidden_rows(
+    tile, visible, tile_start, end, io_layout: gl.constexpr, TOKENS: gl.constexpr = 0
+):  # fmt: skip
     """Zero the rows of ``tile [BLOCK_N, W]`` (a value tile in shared memory) whose key the mask
     hides from every row of the program, when there are any before ``end``: ``P = 0`` times what
     such a row holds must stay 0, and Hugging Face's eager float64 prefill writes NaN at pad
     positions (the Triton kernel leaves those rows out of its loads). ``visible``:
     ``_mask_visible``'s.
-    Rows past ``end`` are zeroed (or never read) elsewhere."""
+    Rows past ``end`` are zeroed (or never read) elsewhere. ``TOKENS``: ``visible``'s token axis.
+    """
     BLOCK_N: gl.constexpr = tile.shape[0]
-    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, visible.type.layout))
-    hidden = (gl.max(visible.to(gl.int32), 1) == 0) & (tokens < end)
+    ROWS: gl.constexpr = 1 - TOKENS
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout))
+    hidden = (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
     if gl.max(hidden.to(gl.int32), 0) > 0:
         keep = gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None]
         WIDTH: gl.constexpr = tile.shape[1]
@@ -1467,7 +1478,9 @@ def _score_tiles(
     stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
     stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr,
     L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-    HAS_PE: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr,
+    HAS_PE: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr, MASK=None, stride_mb=0,
+    stride_ms=0, stride_mt=0, MASK_LEN=0, HAS_MASK: gl.constexpr = False,
+    MASK_IS_BOOL: gl.constexpr = False,
 ):  # fmt: skip
     """Warpgroup 0 of a one-scorer program (``ONE_SCORER``): for each tile the whole scores
     ``S [64, BLOCK_N] = Q K^T`` (``m64n64k16``), the online softmax, ``P`` and the output's
@@ -1486,6 +1499,10 @@ def _score_tiles(
     then this half and the rows' LSE stored (``_store_output_half``). In that order: warpgroup 1
     completes ``done``'s second phase only once it has the sums, so the first wait cannot miss
     its phase.
+
+    ``HAS_MASK``: an attention mask read under each tile's scores (``_mask_load``); the value rows
+    of keys it hides from every row are zeroed in the slot before ``P`` is handed over, so that
+    both warpgroups' P.V read them zeroed (NOTES.md item 64).
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -1506,15 +1523,32 @@ def _score_tiles(
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
+        mask_visible = None
+        mask_bias = None
+        if HAS_MASK:
+            # Loaded in the tile that uses it, under its scores: a tile ahead, the two 64 x 64
+            # tiles of values in flight made ptxas spill 56-136 bytes (NOTES.md item 64).
+            mask_raw = _mask_load(
+                MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
+                S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1,
+            )  # fmt: skip
         kv, s = _scores_on_m(
             kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
             HAS_PE, False, io_layout,
         )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
+        if HAS_MASK:
+            mask_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            if not MASK_IS_BOOL:
+                mask_bias = _mask_bias(mask_raw, mask_visible)
         p, m_i, l_i, alpha = _online_softmax(
-            s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1
-        )
+            s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1, None, mask_visible,
+            mask_bias,
+        )  # fmt: skip
+        if HAS_MASK:
+            # Before P goes to warpgroup 1: its P.V reads the slot's other half.
+            _zero_hidden_rows(kv, mask_visible, tile_start, end, io_layout, 1)
         # P and alpha to warpgroup 1, once its P.V of the tile before is done. A fresh barrier
         # counts as having completed the phase before its first: the first wait passes at once.
         mbarrier.wait(p_free, (i & 1) ^ 1)
@@ -1680,7 +1714,7 @@ def _mla_decode_wgmma_kernel(
     MERGE_SPLITS: gl.constexpr,  # MERGE: a power of two >= num_splits
     STAMPS: gl.constexpr,  # write phase stamps into STAMP_BUF (an instrument; off in the op)
     LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
-    HAS_MASK: gl.constexpr,  # an attention mask (the transposed loop, _consume_tiles)
+    HAS_MASK: gl.constexpr,  # an attention mask (the transposed and one-scorer loops)
     MASK_IS_BOOL: gl.constexpr,
     num_warps: gl.constexpr,
 ):  # fmt: skip
@@ -1714,7 +1748,7 @@ def _mla_decode_wgmma_kernel(
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
-    gl.static_assert(not HAS_MASK or not (ROWS_ON_M or ONE_SCORER))
+    gl.static_assert(not HAS_MASK or not ROWS_ON_M)
     # A float8 k_pe: multiplied in float8, or converted to fp16 beside kv_c (also gathered);
     # R = 64, the width the GPU tests cover (float8 wgmma's K of 32 would allow any multiple).
     gl.static_assert(not PE_FP8 or (KV_FP8 and HAS_PE and R == 64))
@@ -1997,7 +2031,8 @@ def _mla_decode_wgmma_kernel(
                             stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb,
                             stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
                             STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, MERGE,
-                            STAMPS,
+                            STAMPS, MASK, stride_mb, stride_ms, stride_mt, MASK_LEN, HAS_MASK,
+                            MASK_IS_BOOL,
                         ),
                     ),
                     (
@@ -2241,7 +2276,7 @@ def launch(
     stamps: an instrument, ``[programs, STAMP_SLOTS]`` int64 that every program fills with its
     phase stamps (``STAMP_FIELDS``; the op never passes one).
     attn_mask: ``[B, S_q, T_m]`` bool or float (``mla::decode``'s rules), read by the transposed
-    loop only (not ``rows_on_m`` or ``one_scorer``).
+    and one-scorer loops (not ``rows_on_m``).
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
@@ -2258,10 +2293,9 @@ def launch(
         producer_warps = 0
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8) and attn_mask is None
-    if attn_mask is not None and (rows_on_m or one_scorer):
+    if attn_mask is not None and rows_on_m:
         raise ValueError(
-            "attn_mask: read by the transposed loop only; got rows_on_m="
-            f"{rows_on_m}, one_scorer={one_scorer}"
+            "attn_mask: read by the transposed and one-scorer loops, not with rows_on_m=True"
         )
     kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
     pe_fp8 = rope_len > 0 and k_pe.dtype == torch.float8_e4m3fn

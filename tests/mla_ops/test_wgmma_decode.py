@@ -268,7 +268,8 @@ MASKED_SHAPES = {
     "16 rows": dict(heads=16, s_q=1, page_size=64),
     "16 rows gathered": dict(heads=16, s_q=1, page_size=1),
     "32 rows": dict(heads=16, s_q=2, page_size=64),
-    "64 rows": dict(heads=128, s_q=1, page_size=64),
+    "64 rows, one scorer": dict(heads=128, s_q=1, page_size=64),
+    "64 rows, one scorer, S_q = 3": dict(heads=20, s_q=3, page_size=64),
     "64 rows gathered": dict(heads=40, s_q=2, page_size=16),
     "float8 products": dict(heads=16, s_q=1, page_size=64, fp8="pair"),
     "float8 products, whole row": dict(heads=8, s_q=2, page_size=64, fp8="whole"),
@@ -283,10 +284,10 @@ MASKED_SHAPES = {
 def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> None:
     """An ``attn_mask`` (left padding, random holes, a fully hidden query row, a mask shorter or
     longer than the cache; Hugging Face's ``finfo.min`` fill) read by the wgmma kernel's
-    transposed loop in every tiling it runs (NOTES.md item 63): 16-, 32- and 64-row programs,
-    copy-engine and gathered tiles, float8 products and conversions; against the float64
-    reference, with NaN written at every key the mask hides from all queries (they must not
-    leak: the kernel zeroes their value rows)."""
+    transposed loop in every tiling it runs (NOTES.md item 63) and by the one-scorer loop (item
+    64): 16-, 32- and 64-row programs, copy-engine and gathered tiles, float8 products and
+    conversions; against the float64 reference, with NaN written at every key the mask hides
+    from all queries (they must not leak: the kernel zeroes their value rows)."""
     kw = dict(MASKED_SHAPES[shape])
     fp8 = kw.pop("fp8", None)
     args = dict(
@@ -303,7 +304,7 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
     ref_out, ref_lse = case.reference()
     _poison_hidden_paged(case)
     out, lse = run(kernels, case)
-    assert not kernels.LAST_LAUNCH["wgmma_one_scorer"]
+    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] == ("one scorer" in shape), shape
     assert not kernels.LAST_LAUNCH["wgmma_rows_on_m"]
     products = kernels.LAST_LAUNCH["wgmma_float8_products"]
     assert products == shape.startswith("float8 products"), shape
@@ -1127,22 +1128,26 @@ def test_compiles_to_wgmma_for_sm90(
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "warps", "kv_dtype", "page_size", "mask"),
-    [(16, 4, None, 64, "bf16"), (16, 4, None, 1, "bool"), (16, 4, "fp8e4nv", 64, "bf16"),
-     (64, 8, None, 64, "bool"), (32, 8, None, 64, "bf16")],
+    ("rows", "warps", "kv_dtype", "page_size", "mask", "one_scorer"),
+    [(16, 4, None, 64, "bf16", False), (16, 4, None, 1, "bool", False),
+     (16, 4, "fp8e4nv", 64, "bf16", False), (64, 8, None, 1, "bool", False),
+     (32, 8, None, 64, "bf16", False), (64, 4, None, 64, "bf16", True),
+     (64, 4, None, 64, "bool", True)],
 )  # fmt: skip
-def test_masked_builds_compile(rows: int, warps: int, kv_dtype, page_size: int, mask: str) -> None:
-    """With an attention mask (NOTES.md item 63) the transposed loop compiles for sm_90 in the
-    tilings the op gives masked calls (a 64-row program takes it instead of the one-scorer or
-    rows-on-M loop): wgmma, no mma.sync, at most a few spilled scalars, shared memory within an
-    SM and within ``wgmma_shared_memory``'s bound."""
+def test_masked_builds_compile(
+    rows: int, warps: int, kv_dtype, page_size: int, mask: str, one_scorer: bool
+) -> None:
+    """With an attention mask (NOTES.md items 63-64) the transposed and one-scorer loops compile
+    for sm_90 in the tilings the op gives masked calls (a gathered 64-row program takes the
+    transposed loop instead of the rows-on-M one): wgmma, no mma.sync, at most a few spilled
+    scalars, shared memory within an SM and within ``wgmma_shared_memory``'s bound."""
     from mla_ops import triton_kernels
 
     gather = page_size % 64 != 0
     res = _offline_compile(
         f"k = oc.compile_wgmma({rows}, 2, warps={warps}, kv_dtype={kv_dtype!r}, "
-        f"page_size={page_size}, gather={gather}, rows_on_m=False, mask={mask!r}); "
-        "print(oc.resources(k))"
+        f"page_size={page_size}, gather={gather}, rows_on_m=False, mask={mask!r}, "
+        f"one_scorer={one_scorer}); print(oc.resources(k))"
     )
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
     assert res["spill_bytes"] < 256, res
