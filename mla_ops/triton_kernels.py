@@ -669,7 +669,8 @@ def wgmma_plan_path(
     if need > have:
         return False, f"{block_m}-row programs need {need} bytes of shared memory, GPU has {have}"
     what = ("float8 kv_c and k_pe" if pe_fp8 else "float8 kv_c") if float8 else "bf16/fp16"
-    return True, f"Hopper, {what}, paged, no mask"
+    mask = "no mask" if attn_mask is None else f"a {attn_mask.dtype} attn_mask"
+    return True, f"Hopper, {what}, paged, {mask}"
 
 
 def _float8_pe_refusal(k_pe: torch.Tensor) -> str | None:

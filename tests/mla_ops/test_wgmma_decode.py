@@ -987,9 +987,10 @@ def test_plan_path_says_why(monkeypatch, change, reason) -> None:
     if reason is None:
         ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, None, None)
         assert not ok and "not paged" in why
-        # An attn_mask is read by the transposed loop (NOTES.md item 63).
+        # An attn_mask is read by the transposed and one-scorer loops (NOTES.md items 63-64).
         mask = torch.empty(2, 1, 320, device="meta")
-        assert triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)[0]
+        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)
+        assert ok and why.endswith("a torch.float32 attn_mask"), why
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
