@@ -162,7 +162,10 @@ def compile_wgmma(
             "ARRIVALS",
             "STAMP_BUF",
             "MASK",
-        ) or (name.startswith("stride_") and name not in const and not name.startswith("stride_m")):
+        ) or (
+            # A mask's strides follow its length (any T_m): no divisibility is assumed for them.
+            name.startswith("stride_") and name not in const and not name.startswith("stride_m")
+        ):
             attrs[(i,)] = [["tt.divisibility", 16]]
         if name in const:
             signature[name] = "constexpr"

@@ -626,16 +626,23 @@ def _await_tile(
         fence_async_shared()
     kv = kv_ring.index(slot)
     if ZERO_STALE and not GATHER and tile_start + BLOCK_N > end:
-        # In column chunks: a whole 64 x 512 tile is 128 registers per thread of one warpgroup.
-        WIDTH: gl.constexpr = kv.shape[1]
-        ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
         offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
-        for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
-            part = kv.slice(c, ZERO_CHUNK, dim=1)
-            tile = part.load(io_layout)
-            part.store(gl.where((offs_io < end)[:, None], tile, gl.zeros_like(tile)))
-        fence_async_shared()
+        _zero_rows(kv, (offs_io < end)[:, None], io_layout)
     return kv
+
+
+@gluon.jit
+def _zero_rows(tile, keep, io_layout: gl.constexpr):
+    """Zero the rows of ``tile [BLOCK_N, W]`` in shared memory where ``keep [BLOCK_N, 1]`` (in
+    ``io_layout``) is false, then fence for the wgmma that reads it. In column chunks: a whole
+    64 x 512 tile is 128 registers per thread of one warpgroup."""
+    WIDTH: gl.constexpr = tile.shape[1]
+    ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
+    for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
+        part = tile.slice(c, ZERO_CHUNK, dim=1)
+        values = part.load(io_layout)
+        part.store(gl.where(keep, values, gl.zeros_like(values)))
+    fence_async_shared()
 
 
 @gluon.jit
@@ -1013,14 +1020,9 @@ def _zero_hidden_rows(
     tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout))
     hidden = (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
     if gl.max(hidden.to(gl.int32), 0) > 0:
-        keep = gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None]
-        WIDTH: gl.constexpr = tile.shape[1]
-        ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
-        for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
-            part = tile.slice(c, ZERO_CHUNK, dim=1)
-            values = part.load(io_layout)
-            part.store(gl.where(keep, values, gl.zeros_like(values)))
-        fence_async_shared()
+        _zero_rows(
+            tile, gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None], io_layout
+        )
 
 
 @gluon.jit
@@ -1654,6 +1656,23 @@ def _assist_tiles(
 
 
 @gluon.jit
+def _allocate_ring(
+    SRC, DESC, WIDTH: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+    GATHER: gl.constexpr,
+):  # fmt: skip
+    """A ring of ``NUM_STAGES`` ``[BLOCK_N, WIDTH]`` tiles of a cache part in the cache's dtype:
+    the copy engine's layout (``DESC``), or for gathered tiles (``SRC``'s rows by ``cp.async``)
+    the default wgmma operand layout."""
+    if GATHER:
+        return gl.allocate_shared_memory(
+            SRC.dtype.element_ty, [NUM_STAGES, BLOCK_N, WIDTH],
+            gl.NVMMASharedLayout.get_default_for([BLOCK_N, WIDTH], SRC.dtype.element_ty),
+        )  # fmt: skip
+    else:
+        return gl.allocate_shared_memory(DESC.dtype, [NUM_STAGES, BLOCK_N, WIDTH], DESC.layout)
+
+
+@gluon.jit
 def _mla_decode_wgmma_kernel(
     Q,  # [B, S_q, H, L+R]
     SEQLENS,  # [B] int32
@@ -1847,61 +1866,36 @@ def _mla_decode_wgmma_kernel(
         q_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
         )
-    if GATHER:
-        kv_ring = gl.allocate_shared_memory(
-            KV.dtype.element_ty, [NUM_STAGES, BLOCK_N, L],
-            gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], KV.dtype.element_ty),
-        )  # fmt: skip
-    else:
-        kv_ring = gl.allocate_shared_memory(KV_DESC.dtype, [NUM_STAGES, BLOCK_N, L], KV_DESC.layout)
+    kv_ring = _allocate_ring(KV, KV_DESC, L, NUM_STAGES, BLOCK_N, GATHER)
     if KV_FP8 and not FLOAT8_PRODUCTS:
         stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
         )
     else:
         stage = kv_ring
-    pe_stage = kv_ring  # unused unless a float8 k_pe is converted
+    # The RoPE query: its two e4m3 terms (float8 products of a float8 k_pe, _store_query), fp16
+    # beside a converted float8 k_pe, else q's dtype.
     if PE_FP8 and FLOAT8_PRODUCTS:
-        # The RoPE query's two e4m3 terms (_store_query); the ring's k_pe as the descriptor's.
         qpe_smem = gl.allocate_shared_memory(
             gl.float8e4nv, [2 * BLOCK_M, R],
             gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, R], gl.float8e4nv),
         )  # fmt: skip
-        pe_ring = gl.allocate_shared_memory(
-            PE_DESC.dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout
-        )  # fmt: skip
-    elif PE_FP8:
-        # Converted: the RoPE query in fp16 and the tile's k_pe converted into a tile of its own
-        # (8 KB at R = 64; the float8 ring slot gives back half of that).
+    elif HAS_PE:
+        qpe_dtype: gl.constexpr = dtype if PE_FP8 else q_dtype
         qpe_smem = gl.allocate_shared_memory(
-            dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], dtype)
+            qpe_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], qpe_dtype)
         )
-        if GATHER:
-            pe_ring = gl.allocate_shared_memory(
-                PE.dtype.element_ty, [NUM_STAGES, BLOCK_N, R],
-                gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], PE.dtype.element_ty),
-            )  # fmt: skip
-        else:
-            pe_ring = gl.allocate_shared_memory(
-                PE_DESC.dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout
-            )  # fmt: skip
+    else:
+        qpe_smem = q_smem
+    # The ring's k_pe as the cache holds it (q's dtype or e4m3).
+    pe_ring = _allocate_ring(PE, PE_DESC, R, NUM_STAGES, BLOCK_N, GATHER) if HAS_PE else kv_ring
+    pe_stage = kv_ring  # unused unless a float8 k_pe is converted
+    if PE_FP8 and not FLOAT8_PRODUCTS:
+        # Each tile's float8 k_pe converted to fp16 (8 KB at R = 64; the float8 ring slot gives
+        # back half of that).
         pe_stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, R], gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], dtype)
         )
-    elif HAS_PE:
-        qpe_smem = gl.allocate_shared_memory(
-            q_dtype, [BLOCK_M, R], gl.NVMMASharedLayout.get_default_for([BLOCK_M, R], q_dtype)
-        )
-        if GATHER:
-            pe_ring = gl.allocate_shared_memory(
-                q_dtype, [NUM_STAGES, BLOCK_N, R],
-                gl.NVMMASharedLayout.get_default_for([BLOCK_N, R], q_dtype),
-            )  # fmt: skip
-        else:
-            pe_ring = gl.allocate_shared_memory(q_dtype, [NUM_STAGES, BLOCK_N, R], PE_DESC.layout)
-    else:
-        qpe_smem = q_smem
-        pe_ring = kv_ring
     if FLOAT8_PRODUCTS:
         p_smem = gl.allocate_shared_memory(
             gl.float8e4nv, [BLOCK_M, BLOCK_N],

@@ -32,9 +32,10 @@ from mla_ops import wgmma_decode as wd
 FIELD = {name: i for i, name in enumerate(wd.STAMP_FIELDS)}
 
 
-def stamped(inp, num_splits: int, total_splits: int) -> dict:
-    """One clean-L2 stamped launch: span, per-multiprocessor last exits, the leftovers."""
-    programs = inp.q.shape[0] * num_splits  # 16 rows: one row block per sequence
+def stamp_launch(inp, num_splits: int, total_splits: int | None) -> torch.Tensor:
+    """The stamps ``[programs, STAMP_SLOTS]`` (CPU) of one clean-L2 launch of the 16-row wgmma
+    kernel on ``inp`` (one row block per sequence), after a warm-up launch."""
+    programs = inp.q.shape[0] * num_splits
     stamps = torch.zeros(programs, wd.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
     fn = bd.wgmma_call(inp, num_splits, total_splits, with_combine=False, stamps=stamps)
     fn()
@@ -42,7 +43,12 @@ def stamped(inp, num_splits: int, total_splits: int) -> dict:
     bd.evict_l2("clean")
     fn()
     torch.cuda.synchronize()
-    s = stamps.cpu()
+    return stamps.cpu()
+
+
+def stamped(inp, num_splits: int, total_splits: int) -> dict:
+    """One clean-L2 stamped launch: span, per-multiprocessor last exits, the leftovers."""
+    s = stamp_launch(inp, num_splits, total_splits)
     tiles = s[:, FIELD["tiles"]]
     real = tiles > 0
     t0 = s[real, FIELD["entry"]].min()

@@ -27,10 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_decode as bd
+from chunk_rounding import FIELD, stamp_launch
 
-from mla_ops import wgmma_decode as wd
-
-FIELD = {name: i for i, name in enumerate(wd.STAMP_FIELDS)}
 TILE = 64
 TOTAL_TILES = 4 * 65536 // TILE  # (d)
 
@@ -79,15 +77,7 @@ def virtual_batch(pieces: list[int], gen: torch.Generator) -> SimpleNamespace:
 
 def stamped(inp, num_splits: int, total_splits: int | None) -> dict:
     """One clean-L2 stamped launch: span and per-multiprocessor last exits (us)."""
-    programs = inp.q.shape[0] * num_splits
-    stamps = torch.zeros(programs, wd.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
-    fn = bd.wgmma_call(inp, num_splits, total_splits, with_combine=False, stamps=stamps)
-    fn()
-    stamps.zero_()
-    bd.evict_l2("clean")
-    fn()
-    torch.cuda.synchronize()
-    s = stamps.cpu()
+    s = stamp_launch(inp, num_splits, total_splits)
     real = s[:, FIELD["tiles"]] > 0
     t0 = s[real, FIELD["entry"]].min()
     exit_us = (s[:, FIELD["exit"]] - t0).double() / 1e3
