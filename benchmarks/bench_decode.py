@@ -23,8 +23,8 @@ Method
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
 - Case ``a8``: (a) over a float8 ``kv_c`` with a bf16 ``k_pe`` (FlashMLA's 640-byte rows);
   ``a8e``: the whole row in float8 under one scale (576 bytes, vLLM's ``fp8`` MLA cache);
-  ``am``: (a) with an all-visible bf16 ``attn_mask``,
-  what every decode step of a rewritten Hugging Face model passes (peers skip both).
+  ``am``: (a) with an all-visible bf16 ``attn_mask``, and ``bm`` the same over (b) (128 heads),
+  what every decode step of a rewritten Hugging Face model passes (peers skip these).
 - Every implementation's output is checked against a float32 torch reference before timing.
 - Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
   SDPA over an expanded MQA, FlexAttention (where it compiles). FlashInfer is reported as missing
@@ -85,6 +85,7 @@ CASES = {
     "a8": Case("a8", 128, 16, 4096, fp8=True),
     "a8e": Case("a8e", 128, 16, 4096, fp8=True, fp8_rope=True),
     "am": Case("am", 128, 16, 4096, mask=True),
+    "bm": Case("bm", 32, 128, 4096, mask=True),
 }
 
 
@@ -367,12 +368,14 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
 
 
 def planned(case: Case, inp: Inputs) -> SplitPlan:
-    """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run."""
+    """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run
+    (as ``mla_decode`` asks: the capacity is the block table's pages)."""
     from mla_ops import triton_kernels as tk
 
     kv_c, k_pe = inp.decode_cache()
     wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
-    return plan_splits(case.batch, case.heads * case.s_q, None, inp.q.device, wgmma)
+    capacity = inp.block_table.shape[1] * kv_c.shape[1]
+    return plan_splits(case.batch, case.heads * case.s_q, capacity, inp.q.device, wgmma)
 
 
 def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> list[Inputs]:
@@ -813,11 +816,12 @@ def main() -> None:
                 f"{ours['a'].time_us / ours[name].time_us:.2f}x faster, "
                 f"rel_err vs the bf16-cache reference {ours[name].rel_err:.1e}"
             )
-    if "a" in ours and "am" in ours:
-        print(
-            f"all-visible bf16 mask (am) vs none (a): "
-            f"{ours['am'].time_us / ours['a'].time_us:.2f}x the time"
-        )
+    for masked, base in (("am", "a"), ("bm", "b")):
+        if base in ours and masked in ours:
+            print(
+                f"all-visible bf16 mask ({masked}) vs none ({base}): "
+                f"{ours[masked].time_us / ours[base].time_us:.2f}x the time"
+            )
 
 
 PTX_MARKERS = {

@@ -103,9 +103,10 @@ def compile_wgmma(
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
-    pe_dtype: str | None = None, mask: str | None = None,
+    pe_dtype: str | None = None, mask: str | None = None, s_q: int = 1,
 ):  # fmt: skip
-    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows`` heads x 1;
+    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows // s_q`` heads x
+    ``s_q``;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
     by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
     ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice);
@@ -125,7 +126,7 @@ def compile_wgmma(
     params = list(inspect.signature(kernel.fn).parameters)
     gl_dtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     const = dict(
-        S_Q=1, H=rows, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
+        S_Q=s_q, H=rows // s_q, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
         KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.GATHER_CHUNK), GATHER=gather,

@@ -32,8 +32,16 @@ log = logging.getLogger("mla_ops")
 SPLIT_GRANULE = 64
 # No split is shorter than this (tokens): below it the combine costs more than the parallelism buys.
 MIN_CHUNK = 256
-# Upper bound on splits per sequence; the combine reads this many partials per row at most.
+# Upper bound on splits per sequence of a batch; the combine reads this many partials per row at
+# most.
 MAX_SPLITS = 64
+# The same for a batch of one sequence in wgmma programs of at most 32 rows, which has no
+# raggedness to leave room for: the chunks of one wave, up to the wgmma kernel's longest-first
+# packing limit (``LONGEST_FIRST_MAX_SPLITS``). With 64, 16 heads x S_q 2 over 32k tokens ran 57
+# programs on an H100's 132 multiprocessors; 103 took 17 % less time (16 heads x S_q 1: level,
+# its 57 programs already draw the copy bandwidth). 64-row programs keep ``MAX_SPLITS``: twice
+# their 128 KB of partials per program measured 2 % slower (NOTES.md item 65).
+SINGLE_SEQUENCE_MAX_SPLITS = 128
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
 
@@ -155,7 +163,9 @@ def plan_splits(
     The chunks of one wave of resident programs are spread over the batch's tokens
     (``total_splits``), and one sequence may take up to ``RAGGED_HEADROOM`` times its even share
     (``num_splits``). A uniform batch gets exactly the even per-sequence split; a symbolic batch
-    gets even per-sequence splits (no ``total_splits``). ``wgmma``: the call runs the Gluon wgmma
+    gets even per-sequence splits (no ``total_splits``). A single sequence of at most 32 query
+    rows on the wgmma kernel gets no headroom: as many splits as one wave's chunks of its
+    capacity (up to ``SINGLE_SEQUENCE_MAX_SPLITS``). ``wgmma``: the call runs the Gluon wgmma
     kernel (``triton_kernels.wgmma_plan_path``), which keeps one program per multiprocessor.
     Returns ``(1, None)`` off CUDA (the reference gains nothing from splitting).
     """
@@ -178,11 +188,21 @@ def plan_splits(
     # As many chunks as fill one wave of resident programs, and no more: a partial second wave
     # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
     even = max(1, sms * programs_per_sm(query_rows, wgmma) // programs_per_split)
-    limit = MAX_SPLITS
+    # (The Triton kernel, two programs per multiprocessor, keeps MAX_SPLITS: not measured.)
+    single = batch_size == 1 and not symbolic and wgmma and rows_per_program(query_rows) <= 32
+    limit = SINGLE_SEQUENCE_MAX_SPLITS if single else MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
     if symbolic:
         plan = SplitPlan(max(1, min(even, limit)), None)
+    elif single:
+        # The chunks a full cache is cut into for one wave (split_len's rounding), so that a
+        # split count past them (an emptier combine) is not asked for.
+        chunks = even
+        if isinstance(capacity, int):
+            chunk = -(-capacity // even)
+            chunks = -(-capacity // (-(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE))
+        plan = SplitPlan(max(1, min(chunks, limit)), even)
     else:
         plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)
     if not tracing:

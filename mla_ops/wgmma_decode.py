@@ -965,6 +965,7 @@ def _mask_load(
     MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
     S_Q: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     MASK_IS_BOOL: gl.constexpr, layout: gl.constexpr, TOKENS: gl.constexpr = 0,
+    ONE_ROW: gl.constexpr = False,
 ):  # fmt: skip
     """The attention mask's values over one tile as stored, in the scores' layout: ``S^T
     [BLOCK_N tokens, BLOCK_M rows]`` (``TOKENS`` 0) or ``S [BLOCK_M, BLOCK_N]`` (1, rows on M);
@@ -972,16 +973,24 @@ def _mask_load(
     at keys past ``end`` or ``MASK_LEN`` or in rows past ``S_Q * H`` (a bool mask gives 0 there,
     a float one -inf). The loads must run under a tile's math: the transposed loop issues them a
     tile ahead, the one-scorer loop before its scores (``_mask_visible``, ``_mask_bias`` read
-    them)."""
+    them). ``ONE_ROW`` (S_q = 1): the one mask row as a ``[BLOCK_N]`` vector in the token axis's
+    slice of ``layout``, which its users broadcast over the rows."""
     ROWS: gl.constexpr = 1 - TOKENS
-    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
-    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(TOKENS, layout))
-    token_ok = gl.expand_dims((tokens < end) & (tokens < MASK_LEN), ROWS)
-    ok = token_ok & gl.expand_dims(rows < S_Q * H, TOKENS)
-    ptr = (
-        MASK + b64 * stride_mb + gl.expand_dims((rows // H) * stride_ms, TOKENS)
-        + gl.expand_dims(tokens * stride_mt, ROWS)
-    )  # fmt: skip
+    if ONE_ROW:
+        # S_q = 1: every row reads the one mask row; a [BLOCK_N] vector in the scores' token
+        # slice, broadcast over the rows by its users.
+        tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
+        ok = (tokens < end) & (tokens < MASK_LEN)
+        ptr = MASK + b64 * stride_mb + tokens * stride_mt
+    else:
+        tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
+        rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(TOKENS, layout))
+        token_ok = gl.expand_dims((tokens < end) & (tokens < MASK_LEN), ROWS)
+        ok = token_ok & gl.expand_dims(rows < S_Q * H, TOKENS)
+        ptr = (
+            MASK + b64 * stride_mb + gl.expand_dims((rows // H) * stride_ms, TOKENS)
+            + gl.expand_dims(tokens * stride_mt, ROWS)
+        )  # fmt: skip
     if MASK_IS_BOOL:
         return gl.load(ptr, mask=ok, other=0)
     else:
@@ -1013,12 +1022,20 @@ def _zero_hidden_rows(
     such a row holds must stay 0, and Hugging Face's eager float64 prefill writes NaN at pad
     positions (the Triton kernel leaves those rows out of its loads). ``visible``:
     ``_mask_visible``'s.
-    Rows past ``end`` are zeroed (or never read) elsewhere. ``TOKENS``: ``visible``'s token axis.
+    Rows past ``end`` are zeroed (or never read) elsewhere. ``TOKENS``: ``visible``'s token axis;
+    a ``[BLOCK_N]`` ``visible`` (``_mask_load``'s ``ONE_ROW``) is every row's.
     """
     BLOCK_N: gl.constexpr = tile.shape[0]
     ROWS: gl.constexpr = 1 - TOKENS
-    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout))
-    hidden = (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
+    if len(visible.shape) == 1:
+        # One mask row for every row of the program: no reduction over the rows.
+        tokens = tile_start + gl.arange(0, BLOCK_N, layout=visible.type.layout)
+        hidden = ~visible & (tokens < end)
+    else:
+        tokens = tile_start + gl.arange(
+            0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout)
+        )
+        hidden = (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
     if gl.max(hidden.to(gl.int32), 0) > 0:
         _zero_rows(
             tile, gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None], io_layout
@@ -1532,7 +1549,7 @@ def _score_tiles(
             # tiles of values in flight made ptxas spill 56-136 bytes (NOTES.md item 64).
             mask_raw = _mask_load(
                 MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
-                S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1,
+                S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, S_Q == 1,
             )  # fmt: skip
         kv, s = _scores_on_m(
             kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
@@ -1541,16 +1558,21 @@ def _score_tiles(
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         if HAS_MASK:
-            mask_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            row_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            mask_visible = row_visible
+            if S_Q == 1:  # one mask row: broadcast over the rows
+                mask_visible = row_visible[None, :]
             if not MASK_IS_BOOL:
-                mask_bias = _mask_bias(mask_raw, mask_visible)
+                mask_bias = _mask_bias(mask_raw, row_visible)
+                if S_Q == 1:
+                    mask_bias = mask_bias[None, :]
         p, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1, None, mask_visible,
             mask_bias,
         )  # fmt: skip
         if HAS_MASK:
             # Before P goes to warpgroup 1: its P.V reads the slot's other half.
-            _zero_hidden_rows(kv, mask_visible, tile_start, end, io_layout, 1)
+            _zero_hidden_rows(kv, row_visible, tile_start, end, io_layout, 1)
         # P and alpha to warpgroup 1, once its P.V of the tile before is done. A fresh barrier
         # counts as having completed the phase before its first: the first wait passes at once.
         mbarrier.wait(p_free, (i & 1) ^ 1)

@@ -31,7 +31,7 @@ def merge64(out_p: torch.Tensor, lse_p: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 65, 128])  # 128: a single sequence's plan
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_matches_reference(device: str, num_splits: int, dtype: torch.dtype) -> None:
     out_p = torch.randn(2, 3, 5, num_splits, 24, dtype=dtype, device=device)

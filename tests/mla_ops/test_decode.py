@@ -270,6 +270,36 @@ def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected
     assert planner.plan_splits(batch, 16, capacity, device, wgmma=True) == expected
 
 
+@pytest.mark.parametrize(
+    ("rows", "capacity", "wgmma", "expected"),
+    [
+        (16, 32832, True, (128, 132)),  # one wave's chunks, up to SINGLE_SEQUENCE_MAX_SPLITS
+        (32, 32832, True, (128, 132)),  # 16 heads x S_q 2
+        (16, 16448, True, (65, 132)),  # capped by capacity / MIN_CHUNK
+        (16, 8192, True, (32, 132)),
+        (64, 32768, True, (64, 132)),  # 64-row programs keep MAX_SPLITS
+        (128, 32768, True, (64, 66)),  # case (c): 64 chunks of 512 tokens fill the wave
+        (16, 131072, False, (64, 264)),  # the Triton kernel keeps MAX_SPLITS
+    ],
+)
+def test_planner_single_sequence(monkeypatch, rows, capacity, wgmma, expected) -> None:
+    """A batch of one sequence has no raggedness to leave headroom for: its wgmma programs of at
+    most 32 rows take as many chunks as one wave cuts its capacity into (NOTES.md item 65), and
+    every chunk of a full cache then has a program of its own."""
+    from mla_ops import planner
+
+    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
+    device = torch.device("cuda", 0)
+    plan = planner.plan_splits(1, rows, capacity, device, wgmma=wgmma)
+    assert plan == expected
+    full = torch.tensor([capacity], dtype=torch.int32)
+    start, end = planner.split_bounds(full, plan.num_splits, plan.total_splits)
+    chunks = int((end > start).sum())
+    assert chunks <= plan.num_splits
+    if wgmma and rows <= 32 and capacity >= 32 * 1024:
+        assert chunks > planner.MAX_SPLITS, (chunks, plan)
+
+
 def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
     """A symbolic batch has no total to balance against: even splits for the assumed batch."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv

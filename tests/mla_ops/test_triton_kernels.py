@@ -94,7 +94,7 @@ def test_config_can_turn_tma_off(kernels, monkeypatch, caplog) -> None:
     assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
 
 
-@pytest.mark.parametrize("num_splits", [1, 7, 64])
+@pytest.mark.parametrize("num_splits", [1, 7, 64, 128])
 @pytest.mark.parametrize("width", [24, 300])  # 300: several column blocks, a masked last one
 def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
     """The combine kernel against the float64 merge, across its column-block / split tilings."""

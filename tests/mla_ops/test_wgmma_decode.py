@@ -269,6 +269,7 @@ MASKED_SHAPES = {
     "16 rows gathered": dict(heads=16, s_q=1, page_size=1),
     "32 rows": dict(heads=16, s_q=2, page_size=64),
     "64 rows, one scorer": dict(heads=128, s_q=1, page_size=64),
+    "64 rows, one scorer, 40 heads": dict(heads=40, s_q=1, page_size=64),
     "64 rows, one scorer, S_q = 3": dict(heads=20, s_q=3, page_size=64),
     "64 rows gathered": dict(heads=40, s_q=2, page_size=16),
     "float8 products": dict(heads=16, s_q=1, page_size=64, fp8="pair"),
@@ -1129,18 +1130,19 @@ def test_compiles_to_wgmma_for_sm90(
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
-    ("rows", "warps", "kv_dtype", "page_size", "mask", "one_scorer"),
-    [(16, 4, None, 64, "bf16", False), (16, 4, None, 1, "bool", False),
-     (16, 4, "fp8e4nv", 64, "bf16", False), (64, 8, None, 1, "bool", False),
-     (32, 8, None, 64, "bf16", False), (64, 4, None, 64, "bf16", True),
-     (64, 4, None, 64, "bool", True)],
+    ("rows", "warps", "kv_dtype", "page_size", "mask", "one_scorer", "s_q"),
+    [(16, 4, None, 64, "bf16", False, 1), (16, 4, None, 1, "bool", False, 1),
+     (16, 4, "fp8e4nv", 64, "bf16", False, 1), (64, 8, None, 1, "bool", False, 1),
+     (32, 8, None, 64, "bf16", False, 2), (64, 4, None, 64, "bf16", True, 1),
+     (64, 4, None, 64, "bool", True, 1), (64, 4, None, 64, "bf16", True, 2)],
 )  # fmt: skip
 def test_masked_builds_compile(
-    rows: int, warps: int, kv_dtype, page_size: int, mask: str, one_scorer: bool
+    rows: int, warps: int, kv_dtype, page_size: int, mask: str, one_scorer: bool, s_q: int
 ) -> None:
     """With an attention mask (NOTES.md items 63-64) the transposed and one-scorer loops compile
     for sm_90 in the tilings the op gives masked calls (a gathered 64-row program takes the
-    transposed loop instead of the rows-on-M one): wgmma, no mma.sync, at most a few spilled
+    transposed loop instead of the rows-on-M one; the one-scorer loop reads one mask row for
+    S_q = 1, a row per query position otherwise): wgmma, no mma.sync, at most a few spilled
     scalars, shared memory within an SM and within ``wgmma_shared_memory``'s bound."""
     from mla_ops import triton_kernels
 
@@ -1148,7 +1150,7 @@ def test_masked_builds_compile(
     res = _offline_compile(
         f"k = oc.compile_wgmma({rows}, 2, warps={warps}, kv_dtype={kv_dtype!r}, "
         f"page_size={page_size}, gather={gather}, rows_on_m=False, mask={mask!r}, "
-        f"one_scorer={one_scorer}); print(oc.resources(k))"
+        f"one_scorer={one_scorer}, s_q={s_q}); print(oc.resources(k))"
     )
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
     assert res["spill_bytes"] < 256, res
