@@ -164,9 +164,10 @@ def plan_splits(
     (``total_splits``), and one sequence may take up to ``RAGGED_HEADROOM`` times its even share
     (``num_splits``). A uniform batch gets exactly the even per-sequence split; a symbolic batch
     gets even per-sequence splits (no ``total_splits``). A single sequence of at most 32 query
-    rows on the wgmma kernel gets no headroom: as many splits as one wave's chunks of its
-    capacity (up to ``SINGLE_SEQUENCE_MAX_SPLITS``). ``wgmma``: the call runs the Gluon wgmma
-    kernel (``triton_kernels.wgmma_plan_path``), which keeps one program per multiprocessor.
+    rows on the wgmma kernel, of a known capacity, gets no headroom: as many splits as one
+    wave's chunks of its capacity (up to ``SINGLE_SEQUENCE_MAX_SPLITS``). ``wgmma``: the call
+    runs the Gluon wgmma kernel (``triton_kernels.wgmma_plan_path``), which keeps one program
+    per multiprocessor.
     Returns ``(1, None)`` off CUDA (the reference gains nothing from splitting).
     """
     if device.type != "cuda":
@@ -188,8 +189,15 @@ def plan_splits(
     # As many chunks as fill one wave of resident programs, and no more: a partial second wave
     # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
     even = max(1, sms * programs_per_sm(query_rows, wgmma) // programs_per_split)
-    # (The Triton kernel, two programs per multiprocessor, keeps MAX_SPLITS: not measured.)
-    single = batch_size == 1 and not symbolic and wgmma and rows_per_program(query_rows) <= 32
+    # (The Triton kernel, two programs per multiprocessor, keeps MAX_SPLITS: not measured. So
+    # does an unknown capacity: a short sequence would leave most of 128 splits empty.)
+    single = (
+        batch_size == 1
+        and not symbolic
+        and wgmma
+        and rows_per_program(query_rows) <= 32
+        and isinstance(capacity, int)
+    )
     limit = SINGLE_SEQUENCE_MAX_SPLITS if single else MAX_SPLITS
     if isinstance(capacity, int):
         limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
@@ -198,10 +206,8 @@ def plan_splits(
     elif single:
         # The chunks a full cache is cut into for one wave (split_len's rounding), so that a
         # split count past them (an emptier combine) is not asked for.
-        chunks = even
-        if isinstance(capacity, int):
-            chunk = -(-capacity // even)
-            chunks = -(-capacity // (-(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE))
+        chunk = -(-capacity // even)
+        chunks = -(-capacity // (-(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE))
         plan = SplitPlan(max(1, min(chunks, limit)), even)
     else:
         plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)
