@@ -435,6 +435,8 @@ def wgmma_call(
         min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
         gather=gather, fill_empty=False,
     )  # fmt: skip
+    if inp.attn_mask is not None:  # a masked case (``am``, ``bm``) launches with its mask
+        kw["attn_mask"] = inp.attn_mask
     kw.update(launch_kw)
     launch = (module or wd).launch
     out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), device=inp.q.device)

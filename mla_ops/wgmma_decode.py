@@ -1014,6 +1014,34 @@ def _mask_bias(raw, visible):
 
 
 @gluon.jit
+def _over_rows(v, TOKENS: gl.constexpr):
+    """A mask term shaped for ``_online_softmax``: a ``ONE_ROW`` ``[BLOCK_N]`` vector broadcast
+    over the rows (axis ``1 - TOKENS`` of the scores), a tile as it is."""
+    if len(v.shape) == 1:
+        return gl.expand_dims(v, 1 - TOKENS)
+    else:
+        return v
+
+
+@gluon.jit
+def _hidden_keys(visible, tile_start, end, TOKENS: gl.constexpr):
+    """``[BLOCK_N]``: the tile's keys before ``end`` that ``visible`` (``_mask_visible``'s, a
+    tile with its token axis ``TOKENS``, or a ``ONE_ROW`` vector) hides from every row."""
+    ROWS: gl.constexpr = 1 - TOKENS
+    if len(visible.shape) == 1:
+        # One mask row for every row of the program: no reduction over the rows.
+        BLOCK_N: gl.constexpr = visible.shape[0]
+        tokens = tile_start + gl.arange(0, BLOCK_N, layout=visible.type.layout)
+        return ~visible & (tokens < end)
+    else:
+        BLOCK_N: gl.constexpr = visible.shape[TOKENS]
+        tokens = tile_start + gl.arange(
+            0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout)
+        )
+        return (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
+
+
+@gluon.jit
 def _zero_hidden_rows(
     tile, visible, tile_start, end, io_layout: gl.constexpr, TOKENS: gl.constexpr = 0
 ):  # fmt: skip
@@ -1025,17 +1053,7 @@ def _zero_hidden_rows(
     Rows past ``end`` are zeroed (or never read) elsewhere. ``TOKENS``: ``visible``'s token axis;
     a ``[BLOCK_N]`` ``visible`` (``_mask_load``'s ``ONE_ROW``) is every row's.
     """
-    BLOCK_N: gl.constexpr = tile.shape[0]
-    ROWS: gl.constexpr = 1 - TOKENS
-    if len(visible.shape) == 1:
-        # One mask row for every row of the program: no reduction over the rows.
-        tokens = tile_start + gl.arange(0, BLOCK_N, layout=visible.type.layout)
-        hidden = ~visible & (tokens < end)
-    else:
-        tokens = tile_start + gl.arange(
-            0, BLOCK_N, layout=gl.SliceLayout(ROWS, visible.type.layout)
-        )
-        hidden = (gl.max(visible.to(gl.int32), ROWS) == 0) & (tokens < end)
+    hidden = _hidden_keys(visible, tile_start, end, TOKENS)
     if gl.max(hidden.to(gl.int32), 0) > 0:
         _zero_rows(
             tile, gl.convert_layout(~hidden, gl.SliceLayout(1, io_layout))[:, None], io_layout
@@ -1047,9 +1065,7 @@ def _zero_hidden_columns(v_t, visible, tile_start, end):
     """``_zero_hidden_rows`` for float8 products: ``V^T``'s columns (tokens) in registers, not
     the ring slot's rows (stores into the slot there made ptxas serialise the loop's wgmma:
     NOTES.md item 63)."""
-    BLOCK_N: gl.constexpr = v_t.shape[1]
-    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, visible.type.layout))
-    hidden = (gl.max(visible.to(gl.int32), 1) == 0) & (tokens < end)
+    hidden = _hidden_keys(visible, tile_start, end, 0)
     if gl.max(hidden.to(gl.int32), 0) > 0:
         keep = gl.convert_layout(~hidden, gl.SliceLayout(0, v_t.type.layout))[None, :]
         v_t = gl.where(keep, v_t, gl.zeros_like(v_t))
@@ -1225,7 +1241,7 @@ def _consume_tiles(
     if HAS_MASK:
         mask_raw = _mask_load(
             MASK, b64, row_block, start, end, stride_mb, stride_ms, stride_mt, MASK_LEN, S_Q, H,
-            BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout,
+            BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 0, S_Q == 1,
         )  # fmt: skip
 
     # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
@@ -1250,11 +1266,12 @@ def _consume_tiles(
             # tile that uses them, they put a load's latency into the float8 loop's chain.
             mask_next = _mask_load(
                 MASK, b64, row_block, tile_start + BLOCK_N, end, stride_mb, stride_ms, stride_mt,
-                MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout,
+                MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 0, S_Q == 1,
             )  # fmt: skip
-            mask_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            row_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
+            mask_visible = _over_rows(row_visible, 0)
             if not MASK_IS_BOOL:
-                mask_bias = _mask_bias(mask_raw, mask_visible)
+                mask_bias = _over_rows(_mask_bias(mask_raw, row_visible), 0)
             mask_raw = mask_next
         if FLOAT8_PRODUCTS:
             s_t, o_t = _float8_tile(
@@ -1273,7 +1290,7 @@ def _consume_tiles(
             # The value rows of keys hidden from every row: the ring slot's (read by P.V), or a
             # converted tile's. (Float8 products zero them in V^T's registers instead.)
             v_tile = stage if KV_FP8 else kv_ring.index(slot)
-            _zero_hidden_rows(v_tile, mask_visible, tile_start, end, io_layout)
+            _zero_hidden_rows(v_tile, row_visible, tile_start, end, io_layout)
         if FLOAT8_PRODUCTS:
             p_t, m_i, l_i, alpha = _online_softmax(
                 s_t, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 0,
@@ -1281,7 +1298,7 @@ def _consume_tiles(
             )  # fmt: skip
             v_t = _float8_vt(kv_ring.index(slot), vt_layout)
             if HAS_MASK:
-                v_t = _zero_hidden_columns(v_t, mask_visible, tile_start, end)
+                v_t = _zero_hidden_columns(v_t, row_visible, tile_start, end)
             # V^T is in registers and the scores' products have read the slot: it goes back to
             # the copies now, not after P.V (which reads only registers and p_smem). The barrier
             # makes every warp's loads complete first (handed back without one, loads still
@@ -1559,13 +1576,9 @@ def _score_tiles(
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
         if HAS_MASK:
             row_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
-            mask_visible = row_visible
-            if S_Q == 1:  # one mask row: broadcast over the rows
-                mask_visible = row_visible[None, :]
+            mask_visible = _over_rows(row_visible, 1)
             if not MASK_IS_BOOL:
-                mask_bias = _mask_bias(mask_raw, row_visible)
-                if S_Q == 1:
-                    mask_bias = mask_bias[None, :]
+                mask_bias = _over_rows(_mask_bias(mask_raw, row_visible), 1)
         p, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1, None, mask_visible,
             mask_bias,

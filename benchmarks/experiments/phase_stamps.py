@@ -19,6 +19,7 @@ kernel runs (no combine); the partials are checked against a float32 reference t
 combine once.
 
     python benchmarks/experiments/phase_stamps.py --cases a,d,e,c,b --out $OUT
+    python benchmarks/experiments/phase_stamps.py --cases 1x16x32k,1x16x32k_mask --out $OUT
 
 (NOTES.md item 32 also timed ``--claim``, tiles claimed from per-sequence counters, from a
 branch that was not kept.)
@@ -35,8 +36,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import bench_decode as bd
+from single_sequence import CASES as SINGLE_SEQUENCE_CASES
 
 from mla_ops import wgmma_decode as wd
+
+# The benchmark's cases and the batch-1 shapes of ``single_sequence.py``.
+CASES = {**bd.CASES, **{case.name: case for case in SINGLE_SEQUENCE_CASES}}
 
 FIELD = {name: i for i, name in enumerate(wd.STAMP_FIELDS)}
 
@@ -111,7 +116,7 @@ def stamp_case(name: str, ceil: dict, runs: int) -> tuple[dict, list]:
     ``runs`` stamped launches summarised (and their raw stamps)."""
     from mla_ops import triton_kernels as tk
 
-    case = bd.CASES[name]
+    case = CASES[name]
     copies = bd.input_copies(case, torch.cuda.get_device_properties(0).L2_cache_size)
     plan = bd.planned(case, copies[0])
     kv_c, k_pe = copies[0].decode_cache()
