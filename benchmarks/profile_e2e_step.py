@@ -21,9 +21,11 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--context", type=int, default=8192)
 parser.add_argument("--layers", type=int, default=4)
+parser.add_argument("--rows", type=int, default=8, help="kernels listed per variant, by CUDA time")
+parser.add_argument("--variants", default="hf_compile,mla_graphs,mla")
 args = parser.parse_args()
 model = v2_lite(args.layers)
-for variant in ("hf_compile", "mla_graphs", "mla"):
+for variant in args.variants.split(","):
     torch._dynamo.reset()
     counters.clear()
     cache = make_cache(variant, model, args.batch, args.context + 64)  # room for every step below
@@ -75,6 +77,8 @@ for variant in ("hf_compile", "mla_graphs", "mla"):
         f"{back_to_back * 1e3:.3f} ms, host time of the call {sorted(host)[10] * 1e3:.3f} ms"
     )
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60)
+        prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=90
+        )
     )
     del cache, step
