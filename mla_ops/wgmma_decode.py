@@ -1556,18 +1556,32 @@ def _score_tiles(
     o = gl.zeros([BLOCK_M, L // 2], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    if HAS_MASK and S_Q == 1:
+        mask_raw = _mask_load(
+            MASK, b64, row_block, start, end, stride_mb, stride_ms, stride_mt, MASK_LEN, S_Q, H,
+            BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, True,
+        )  # fmt: skip
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
         mask_visible = None
         mask_bias = None
         if HAS_MASK:
-            # Loaded in the tile that uses it, under its scores: a tile ahead, the two 64 x 64
-            # tiles of values in flight made ptxas spill 56-136 bytes (NOTES.md item 64).
-            mask_raw = _mask_load(
-                MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
-                S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, S_Q == 1,
-            )  # fmt: skip
+            if S_Q == 1:
+                # One mask row (16 values a thread): the next tile's goes out now, a tile
+                # ahead as in the transposed loop, so its latency is off the scores' chain.
+                mask_next = _mask_load(
+                    MASK, b64, row_block, tile_start + BLOCK_N, end, stride_mb, stride_ms,
+                    stride_mt, MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, True,
+                )  # fmt: skip
+            else:
+                # A row per query position, loaded in the tile that uses it, under its scores: a
+                # tile ahead, the two 64 x 64 tiles of values in flight made ptxas spill 56-136
+                # bytes (NOTES.md item 64).
+                mask_raw = _mask_load(
+                    MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt,
+                    MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, False,
+                )  # fmt: skip
         kv, s = _scores_on_m(
             kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
             HAS_PE, False, io_layout,
@@ -1579,6 +1593,8 @@ def _score_tiles(
             mask_visible = _over_rows(row_visible, 1)
             if not MASK_IS_BOOL:
                 mask_bias = _over_rows(_mask_bias(mask_raw, row_visible), 1)
+            if S_Q == 1:
+                mask_raw = mask_next
         p, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1, None, mask_visible,
             mask_bias,
