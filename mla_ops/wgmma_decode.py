@@ -972,9 +972,10 @@ def _mask_load(
     a row's mask row is its query position's (``row // H``), shared by the heads. Nothing is read
     at keys past ``end`` or ``MASK_LEN`` or in rows past ``S_Q * H`` (a bool mask gives 0 there,
     a float one -inf). The loads must run under a tile's math: the transposed loop issues them a
-    tile ahead, the one-scorer loop before its scores (``_mask_visible``, ``_mask_bias`` read
-    them). ``ONE_ROW`` (S_q = 1): the one mask row as a ``[BLOCK_N]`` vector in the token axis's
-    slice of ``layout``, which its users broadcast over the rows."""
+    tile ahead, the one-scorer loop too at S_q = 1 and otherwise before its scores
+    (``_mask_visible``, ``_mask_bias`` read them). ``ONE_ROW`` (S_q = 1): the one mask row as a
+    ``[BLOCK_N]`` vector in the token axis's slice of ``layout``, which its users broadcast over
+    the rows (``_over_rows``)."""
     ROWS: gl.constexpr = 1 - TOKENS
     if ONE_ROW:
         # S_q = 1: every row reads the one mask row; a [BLOCK_N] vector in the scores' token
@@ -1182,8 +1183,8 @@ def _consume_tiles(
     ``O^T``'s rows are then permuted (``_latent_column``) and scaled by ``P_E4M3_SCALE``.
     Otherwise a float8 ``k_pe`` (``PE_FP8``) is converted into ``pe_stage`` (``_tile_scores``).
     ``HAS_MASK``: an attention mask ``MASK [B, S_q, MASK_LEN]`` (bool as bytes, or float) read
-    a tile ahead (``_mask_load``), its fully hidden keys' value rows zeroed
-    (``_zero_hidden_rows``).
+    a tile ahead (``_mask_load``; one row per tile at S_q = 1), its fully hidden keys' value
+    rows zeroed (``_zero_hidden_rows``, ``_zero_hidden_columns``).
 
     With a producer partition (``PRODUCER``) each slot is handed back on its ``free`` barrier;
     without one, these warps locate and copy the tile ``NUM_STAGES`` ahead into the slot
@@ -1536,9 +1537,10 @@ def _score_tiles(
     completes ``done``'s second phase only once it has the sums, so the first wait cannot miss
     its phase.
 
-    ``HAS_MASK``: an attention mask read under each tile's scores (``_mask_load``); the value rows
-    of keys it hides from every row are zeroed in the slot before ``P`` is handed over, so that
-    both warpgroups' P.V read them zeroed (NOTES.md item 64).
+    ``HAS_MASK``: an attention mask (``_mask_load``), at S_q = 1 one row per tile loaded a tile
+    ahead (NOTES.md items 65 and 68), otherwise a row per query position loaded under the tile's
+    own scores; the value rows of keys it hides from every row are zeroed in the slot before
+    ``P`` is handed over, so that both warpgroups' P.V read them zeroed (NOTES.md item 64).
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = q_smem.dtype
