@@ -22,7 +22,8 @@ Ratio: ``mla_graphs`` tokens/s over ``hf_compile``'s. Bound: what that ratio wou
 attention took no time at all (``hf_compile`` step / (``mla_graphs`` step - the ``mla`` kernels'
 profiled time)): the ceiling set by the rest of the model (projections, experts, head), which
 both sides run alike.
-Attention share: CUDA time of the ``mla`` kernels in a profiled step of ``mla`` against
+Attention share: the time during which any ``mla`` kernel runs in a profiled step of ``mla`` (the
+union of their intervals: the combine, launched early, overlaps the decode), against
 ``mla_decode`` timed alone at the same shapes (CUDA-graph replays) x layers.
 
     python benchmarks/bench_e2e.py        # all cases; writes results/e2e_*.json, .csv, .png
