@@ -38,9 +38,9 @@ MAX_SPLITS = 64
 # The same for a batch of one sequence in wgmma programs of at most 32 rows, which has no
 # raggedness to leave room for: the chunks of one wave, up to the wgmma kernel's longest-first
 # packing limit (``LONGEST_FIRST_MAX_SPLITS``). With 64, 16 heads x S_q 2 over 32k tokens ran 57
-# programs on an H100's 132 multiprocessors; 103 took 17 % less time (16 heads x S_q 1: level,
-# its 57 programs already draw the copy bandwidth). 64-row programs keep ``MAX_SPLITS``: twice
-# their 128 KB of partials per program measured 2 % slower (NOTES.md item 65).
+# programs on an H100's 132 multiprocessors; 103 took 17 % less time (16 heads x S_q 1: level).
+# 64-row programs keep ``MAX_SPLITS``: twice their 128 KB of partials per program measured 2 %
+# slower (NOTES.md item 65).
 SINGLE_SEQUENCE_MAX_SPLITS = 128
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
@@ -54,7 +54,7 @@ RAGGED_HEADROOM = 2
 SYMBOLIC_BATCH_ASSUMPTION = 8
 
 
-def _round_up_to_granule(tokens: torch.Tensor) -> torch.Tensor:
+def _round_up_to_granule(tokens: torch.Tensor | int) -> torch.Tensor | int:
     return (tokens + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
 
 
@@ -206,8 +206,7 @@ def plan_splits(
     elif single:
         # The chunks a full cache is cut into for one wave (split_len's rounding), so that a
         # split count past them (an emptier combine) is not asked for.
-        chunk = -(-capacity // even)
-        chunks = -(-capacity // (-(-chunk // SPLIT_GRANULE) * SPLIT_GRANULE))
+        chunks = -(-capacity // _round_up_to_granule(-(-capacity // even)))
         plan = SplitPlan(max(1, min(chunks, limit)), even)
     else:
         plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)

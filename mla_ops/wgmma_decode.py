@@ -977,14 +977,13 @@ def _mask_load(
     ``[BLOCK_N]`` vector in the token axis's slice of ``layout``, which its users broadcast over
     the rows (``_over_rows``)."""
     ROWS: gl.constexpr = 1 - TOKENS
+    tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
     if ONE_ROW:
         # S_q = 1: every row reads the one mask row; a [BLOCK_N] vector in the scores' token
         # slice, broadcast over the rows by its users.
-        tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
         ok = (tokens < end) & (tokens < MASK_LEN)
         ptr = MASK + b64 * stride_mb + tokens * stride_mt
     else:
-        tokens = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(ROWS, layout))
         rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(TOKENS, layout))
         token_ok = gl.expand_dims((tokens < end) & (tokens < MASK_LEN), ROWS)
         ok = token_ok & gl.expand_dims(rows < S_Q * H, TOKENS)
