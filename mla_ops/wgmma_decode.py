@@ -972,8 +972,9 @@ def _mask_load(
     a row's mask row is its query position's (``row // H``), shared by the heads. Nothing is read
     at keys past ``end`` or ``MASK_LEN`` or in rows past ``S_Q * H`` (a bool mask gives 0 there,
     a float one -inf). The loads must run under a tile's math: the transposed loop issues them a
-    tile ahead, the one-scorer loop too at S_q = 1 and otherwise before its scores
-    (``_mask_visible``, ``_mask_bias`` read them). ``ONE_ROW`` (S_q = 1): the one mask row as a
+    tile ahead, the one-scorer loop before its scores at S_q > 1, and at S_q = 1 its warpgroup 1
+    before its waits (``_prepare_mask_terms``); ``_mask_visible``, ``_mask_bias`` read them.
+    ``ONE_ROW`` (S_q = 1): the one mask row as a
     ``[BLOCK_N]`` vector in the token axis's slice of ``layout``, which its users broadcast over
     the rows (``_over_rows``)."""
     ROWS: gl.constexpr = 1 - TOKENS
@@ -1011,6 +1012,34 @@ def _mask_visible(raw, MASK_IS_BOOL: gl.constexpr):
 def _mask_bias(raw, visible):
     """A float mask's bias in log2 units, 0 where it hides the key."""
     return gl.where(visible, raw.to(gl.float32) * 1.4426950408889634, 0.0)
+
+
+# A one-row (S_q = 1) mask's terms, prepared per ring slot by whoever issues the slot's copy
+# (``_prepare_mask_terms``) and read by the one-scorer loop's scorer. The row is loaded in this
+# layout's token slice (``_mask_load``'s ``ONE_ROW``): 64 tokens over one warpgroup, each twice.
+PREPARED_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0]))
+FLAG_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
+
+
+@gluon.jit
+def _prepare_mask_terms(
+    raw, tile_start, end, slot, terms_smem, hidden_smem, MASK_IS_BOOL: gl.constexpr
+):
+    """Store one tile's S_q = 1 mask row, as ``_mask_load`` read it (``ONE_ROW`` in
+    ``PREPARED_LAYOUT``), into ring slot ``slot`` of ``terms_smem [NUM_STAGES, BLOCK_N]``: -inf
+    where it hides a key, else what the scorer adds to the scaled scores in log2 units (0, or a
+    float mask's bias); and into ``hidden_smem [NUM_STAGES, 1]`` whether it hides any key before
+    ``end`` (whose value rows the scorer then zeroes). The caller makes the stores visible before
+    the slot's tile can land (a barrier, then the copy's arrival)."""
+    visible = _mask_visible(raw, MASK_IS_BOOL)
+    if MASK_IS_BOOL:
+        terms = gl.where(visible, 0.0, float("-inf"))
+    else:
+        terms = gl.where(visible, _mask_bias(raw, visible), float("-inf"))
+    terms_smem.index(slot).store(terms)
+    hidden = _hidden_keys(visible, tile_start, end, 1)
+    any_hidden = gl.max(hidden.to(gl.int32), 0)
+    hidden_smem.index(slot).store(gl.zeros([1], gl.int32, layout=FLAG_LAYOUT) + any_hidden)
 
 
 @gluon.jit
@@ -1516,7 +1545,7 @@ def _score_tiles(
     L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
     HAS_PE: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr, MASK=None, stride_mb=0,
     stride_ms=0, stride_mt=0, MASK_LEN=0, HAS_MASK: gl.constexpr = False,
-    MASK_IS_BOOL: gl.constexpr = False,
+    MASK_IS_BOOL: gl.constexpr = False, terms_smem=None, hidden_smem=None,
 ):  # fmt: skip
     """Warpgroup 0 of a one-scorer program (``ONE_SCORER``): for each tile the whole scores
     ``S [64, BLOCK_N] = Q K^T`` (``m64n64k16``), the online softmax, ``P`` and the output's
@@ -1536,10 +1565,13 @@ def _score_tiles(
     completes ``done``'s second phase only once it has the sums, so the first wait cannot miss
     its phase.
 
-    ``HAS_MASK``: an attention mask (``_mask_load``), at S_q = 1 one row per tile loaded a tile
-    ahead (NOTES.md items 65 and 68), otherwise a row per query position loaded under the tile's
-    own scores; the value rows of keys it hides from every row are zeroed in the slot before
-    ``P`` is handed over, so that both warpgroups' P.V read them zeroed (NOTES.md item 64).
+    ``HAS_MASK``: an attention mask. At S_q = 1 its one row per tile is prepared by whoever
+    issues the tile's copy (the prologue, then warpgroup 1: ``_prepare_mask_terms``) into
+    ``terms_smem``/``hidden_smem`` beside the ring slot, so this warpgroup only adds the terms to
+    its scores (NOTES.md item 69; loading and decoding the row here cost the loop 1.20x). Otherwise
+    a row per query position is loaded under the tile's own scores (``_mask_load``). The value
+    rows of keys it hides from every row are zeroed in the slot before ``P`` is handed over, so
+    that both warpgroups' P.V read them zeroed (NOTES.md item 64).
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -1557,51 +1589,49 @@ def _score_tiles(
     o = gl.zeros([BLOCK_M, L // 2], gl.float32, layout=o_layout)
     s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
     offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    if HAS_MASK and S_Q == 1:
-        mask_raw = _mask_load(
-            MASK, b64, row_block, start, end, stride_mb, stride_ms, stride_mt, MASK_LEN, S_Q, H,
-            BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, True,
-        )  # fmt: skip
+    PREPARED: gl.constexpr = HAS_MASK and S_Q == 1
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
         mask_visible = None
         mask_bias = None
-        if HAS_MASK:
-            if S_Q == 1:
-                # One mask row (16 values a thread): the next tile's goes out now, a tile
-                # ahead as in the transposed loop, so its latency is off the scores' chain.
-                mask_next = _mask_load(
-                    MASK, b64, row_block, tile_start + BLOCK_N, end, stride_mb, stride_ms,
-                    stride_mt, MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, True,
-                )  # fmt: skip
-            else:
-                # A row per query position, loaded in the tile that uses it, under its scores: a
-                # tile ahead, the two 64 x 64 tiles of values in flight made ptxas spill 56-136
-                # bytes (NOTES.md item 64).
-                mask_raw = _mask_load(
-                    MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt,
-                    MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, False,
-                )  # fmt: skip
+        if HAS_MASK and not PREPARED:
+            # A row per query position, loaded in the tile that uses it, under its scores: a
+            # tile ahead, the two 64 x 64 tiles of values in flight made ptxas spill 56-136 bytes
+            # (NOTES.md item 64).
+            mask_raw = _mask_load(
+                MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
+                S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, False,
+            )  # fmt: skip
         kv, s = _scores_on_m(
             kv_ring, pe_ring, q_smem, qpe_smem, ready, s_zero, i, tile_start, end, NUM_STAGES,
             HAS_PE, False, io_layout,
         )  # fmt: skip
         if i == 0:
             _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
-        if HAS_MASK:
+        if PREPARED:
+            # The slot's terms landed with its tile (written before the copy's arrival). A
+            # hidden key is left out by a select, not by its -inf term: the scores of the NaN
+            # rows Hugging Face leaves at pads are NaN, and NaN - inf is NaN.
+            terms = terms_smem.index(slot).load(gl.SliceLayout(0, s_layout))
+            term_visible = terms > float("-inf")
+            mask_visible = _over_rows(term_visible, 1)
+            if not MASK_IS_BOOL:
+                mask_bias = _over_rows(terms, 1)
+        elif HAS_MASK:
             row_visible = _mask_visible(mask_raw, MASK_IS_BOOL)
             mask_visible = _over_rows(row_visible, 1)
             if not MASK_IS_BOOL:
                 mask_bias = _over_rows(_mask_bias(mask_raw, row_visible), 1)
-            if S_Q == 1:
-                mask_raw = mask_next
         p, m_i, l_i, alpha = _online_softmax(
             s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1, None, mask_visible,
             mask_bias,
         )  # fmt: skip
-        if HAS_MASK:
-            # Before P goes to warpgroup 1: its P.V reads the slot's other half.
+        # Before P goes to warpgroup 1: its P.V reads the slot's other half.
+        if PREPARED:
+            if gl.max(hidden_smem.index(slot).load(FLAG_LAYOUT), 0) != 0:
+                _zero_hidden_rows(kv, term_visible, tile_start, end, io_layout, 1)
+        elif HAS_MASK:
             _zero_hidden_rows(kv, row_visible, tile_start, end, io_layout, 1)
         # P and alpha to warpgroup 1, once its P.V of the tile before is done. A fresh barrier
         # counts as having completed the phase before its first: the first wait passes at once.
@@ -1644,12 +1674,16 @@ def _assist_tiles(
     stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
     stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q: gl.constexpr, H: gl.constexpr,
     PAGE_SIZE: gl.constexpr, NUM_STAGES: gl.constexpr, HAS_PE: gl.constexpr, L: gl.constexpr,
-    R: gl.constexpr, CHUNK: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr,
+    R: gl.constexpr, CHUNK: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr, MASK=None,
+    stride_mb=0, stride_mt=0, MASK_LEN=0, HAS_MASK: gl.constexpr = False,
+    MASK_IS_BOOL: gl.constexpr = False, terms_smem=None, hidden_smem=None,
 ):  # fmt: skip
     """Warpgroup 1 of a one-scorer program: for each tile, once warpgroup 0 has handed over
     ``P`` and the rescaling factor, the output's other half ``O[:, L/2:] += P V[:, L/2:]``; then,
     once warpgroup 0 is done with the slot too, the copy of the tile ``NUM_STAGES`` ahead into it
-    (the first ``NUM_STAGES`` were issued before the partitions). At the end: the invalid tokens
+    (the first ``NUM_STAGES`` were issued before the partitions), and with an S_q = 1 mask that
+    tile's mask terms beside it (``_prepare_mask_terms``; its row loaded before the waits, as
+    the tile's pages are located). At the end: the invalid tokens
     it counted into ``bad_smem`` (``done``, first phase), then, with the final row sums from
     warpgroup 0 (``p_ready`` once more), its output half stored (``_store_output_half``) and
     ``done``'s second phase."""
@@ -1671,6 +1705,11 @@ def _assist_tiles(
             PAGE_SIZE, BLOCK_N, False, gather_layout,
         )  # fmt: skip
         n_bad += bad
+        if HAS_MASK and S_Q == 1:
+            mask_next = _mask_load(
+                MASK, b64, 0, next_start, end, stride_mb, 0, stride_mt, MASK_LEN, S_Q, H, BLOCK_M,
+                BLOCK_N, MASK_IS_BOOL, PREPARED_LAYOUT, 1, True,
+            )  # fmt: skip
         mbarrier.wait(p_ready, i & 1)
         alpha = alpha_smem.load(gl.SliceLayout(1, o_layout))
         o = o * alpha[:, None]
@@ -1682,6 +1721,13 @@ def _assist_tiles(
         mbarrier.arrive(p_free, count=1)
         if i + NUM_STAGES < n_tiles:
             mbarrier.wait(free.index(slot), (i // NUM_STAGES) & 1)
+            if HAS_MASK and S_Q == 1:
+                # Warpgroup 0 read the slot's last terms before it freed the slot; these are
+                # visible to it once the copy's arrival (after this barrier) completes the slot.
+                _prepare_mask_terms(
+                    mask_next, next_start, end, slot, terms_smem, hidden_smem, MASK_IS_BOOL
+                )
+                _thread_barrier()
             _copy_tile(
                 KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
                 stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE, False, L, R,
@@ -1979,6 +2025,16 @@ def _mla_decode_wgmma_kernel(
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(p_ready, count=1)
         mbarrier.init(p_free, count=1)
+    terms_smem = q_smem  # unused unless allocated below
+    hidden_smem = q_smem
+    if ONE_SCORER and HAS_MASK and S_Q == 1:
+        # Each ring slot's mask terms and whether they hide a key (_prepare_mask_terms).
+        terms_smem = gl.allocate_shared_memory(
+            gl.float32, [NUM_STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        hidden_smem = gl.allocate_shared_memory(
+            gl.int32, [NUM_STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
     # ready: a slot's tile has landed; free: the math warps are done with a slot.
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -2056,6 +2112,21 @@ def _mla_decode_wgmma_kernel(
                     GATHER, L, R, CHUNK, gather_layout, io_layout,
                 )  # fmt: skip
         if ONE_SCORER:
+            if HAS_MASK and S_Q == 1:
+                # The prologue's tiles' mask terms, for warpgroup 0 (these warps) to read once
+                # their tiles land; the barrier orders the stores across its warps.
+                for i in gl.static_range(NUM_STAGES):
+                    if i < n_tiles:
+                        raw = _mask_load(
+                            MASK, b64, 0, start + i * BLOCK_N, end, stride_mb, 0, stride_mt,
+                            MASK_LEN, S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, PREPARED_LAYOUT, 1,
+                            True,
+                        )  # fmt: skip
+                        _prepare_mask_terms(
+                            raw, start + i * BLOCK_N, end, i, terms_smem, hidden_smem,
+                            MASK_IS_BOOL,
+                        )  # fmt: skip
+                _thread_barrier()
             _store_query(q_nope, q_pe, q_smem, qpe_smem, 1.0, HAS_PE, False)
             _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
             done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -2078,7 +2149,7 @@ def _mla_decode_wgmma_kernel(
                             stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
                             STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, HAS_PE, MERGE,
                             STAMPS, MASK, stride_mb, stride_ms, stride_mt, MASK_LEN, HAS_MASK,
-                            MASK_IS_BOOL,
+                            MASK_IS_BOOL, terms_smem, hidden_smem,
                         ),
                     ),
                     (
@@ -2092,7 +2163,9 @@ def _mla_decode_wgmma_kernel(
                             stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
                             stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
                             stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q, H,
-                            PAGE_SIZE, NUM_STAGES, HAS_PE, L, R, CHUNK, MERGE, STAMPS,
+                            PAGE_SIZE, NUM_STAGES, HAS_PE, L, R, CHUNK, MERGE, STAMPS, MASK,
+                            stride_mb, stride_mt, MASK_LEN, HAS_MASK, MASK_IS_BOOL, terms_smem,
+                            hidden_smem,
                         ),
                     ),
                 ],

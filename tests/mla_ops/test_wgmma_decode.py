@@ -270,6 +270,15 @@ MASKED_SHAPES = {
     "32 rows": dict(heads=16, s_q=2, page_size=64),
     "64 rows, one scorer": dict(heads=128, s_q=1, page_size=64),
     "64 rows, one scorer, 40 heads": dict(heads=40, s_q=1, page_size=64),
+    # One chunk a sequence: warpgroup 1 prepares the mask terms of all but the first two tiles.
+    "64 rows, one scorer, long chunks": dict(
+        heads=128,
+        s_q=1,
+        page_size=64,
+        lengths=[1500, 0, 640, 70],
+        num_splits=1,
+        total_splits=None,
+    ),
     "64 rows, one scorer, S_q = 3": dict(heads=20, s_q=3, page_size=64),
     "64 rows gathered": dict(heads=40, s_q=2, page_size=16),
     "float8 products": dict(heads=16, s_q=1, page_size=64, fp8="pair"),
@@ -293,8 +302,8 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
     fp8 = kw.pop("fp8", None)
     args = dict(
         dims=(512, 64), lengths=[700, 0, 300, 70], causal=True, num_splits=3, total_splits=8,
-        mask=kind, **kw,
-    )  # fmt: skip
+        mask=kind,
+    ) | kw  # fmt: skip
     seed = 1300 + len(shape) + (kind == "float")
     if fp8 == "pair":
         case = _fp8_pair_case(seed, torch.bfloat16, **args)
@@ -1141,8 +1150,9 @@ def test_masked_builds_compile(
 ) -> None:
     """With an attention mask (NOTES.md items 63-64) the transposed and one-scorer loops compile
     for sm_90 in the tilings the op gives masked calls (a gathered 64-row program takes the
-    transposed loop instead of the rows-on-M one; the one-scorer loop reads one mask row for
-    S_q = 1, a row per query position otherwise): wgmma, no mma.sync, at most a few spilled
+    transposed loop instead of the rows-on-M one; the one-scorer loop adds the mask terms
+    warpgroup 1 prepares at S_q = 1, reads a row per query position otherwise): wgmma, no
+    mma.sync, at most a few spilled
     scalars, shared memory within an SM and within ``wgmma_shared_memory``'s bound."""
     from mla_ops import triton_kernels
 
