@@ -1,6 +1,7 @@
 """MLA decode kernel benchmark: mla_decode vs peers vs the hardware roofline, on one GPU.
 
     python benchmarks/bench_decode.py [--cases a,b,...] [--out benchmarks/results] [--no-peers]
+    python benchmarks/bench_decode.py --peers flashinfer    # mla_decode beside FlashInfer only
     python benchmarks/bench_decode.py --split-sweep --cases e,a   # even vs balanced split plans
 
 Method
@@ -27,8 +28,11 @@ Method
   what every decode step of a rewritten Hugging Face model passes (peers skip these).
 - Every implementation's output is checked against a float32 torch reference before timing.
 - Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
-  SDPA over an expanded MQA, FlexAttention (where it compiles). FlashInfer is reported as missing
-  when it cannot be imported.
+  SDPA over an expanded MQA, FlexAttention (where it compiles), and FlashInfer's planned MLA
+  wrapper (``BatchMLAPagedAttentionWrapper``, backend ``auto``: fa3 on Hopper) over the same paged
+  cache, planned outside the timed call, with the whole-row e4m3 cache on ``a8e``. FlashInfer is
+  reported as not installed when it cannot be imported; ``benchmarks/flashinfer_offline.sh``
+  carries it to a GPU machine with no network.
 Writes JSON + CSV (+ PNG) named by device and date under --out; prints a table last.
 """
 
@@ -91,6 +95,7 @@ CASES = {
 
 # FlexAttention compiles for a minute per case; it is timed where the shared anchors have it.
 FLEX_CASES = ("a", "b")
+PEERS = ("eager_einsum", "sdpa_mqa", "flex", "flashinfer")
 
 
 @dataclass
@@ -158,9 +163,10 @@ class Inputs:
         # fp8: the decode reads (kv_c_fp8, k_pe bf16), or with fp8_rope both halves of one
         # e4m3 tensor [pages, page_size, L+R]; the bf16 cache stays the reference.
         self.kv_c_fp8, self.k_pe_fp8, self.kv_scale = None, None, None
+        self.kv_fp8 = None  # with fp8_rope: the whole e4m3 row [pages, page_size, L+R]
         if case.fp8 and case.fp8_rope:
-            kv_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache)
-            self.kv_c_fp8, self.k_pe_fp8 = kv_fp8[..., :L], kv_fp8[..., L:]
+            self.kv_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache)
+            self.kv_c_fp8, self.k_pe_fp8 = self.kv_fp8[..., :L], self.kv_fp8[..., L:]
         elif case.fp8:
             self.kv_c_fp8, self.kv_scale = mla_ops.quantize_kv_fp8(self.kv_cache[..., :L])
         self.attn_mask = None  # [B, S_q, capacity] bf16 zeros: every key visible
@@ -350,7 +356,77 @@ def impls(case: Case):
 
         return fn
 
-    return {"mla_decode": ours, "eager_einsum": eager_einsum, "sdpa_mqa": sdpa_mqa, "flex": flex}
+    workspace = []  # FlashInfer's float workspace, one per case: its runs never overlap
+
+    def flashinfer_mla(inp: Inputs):
+        # FlashInfer's planned MLA wrapper (``backend="auto"``: fa3 on Hopper, JIT-compiled at the
+        # first plan) on this copy's own paged cache and query, both passed packed as ours are
+        # ([pages, page_size, L+R] and [B * S_q, H, L+R]). The plan is made here, outside the
+        # timed call, as an engine plans once per step for all its layers.
+        import flashinfer
+        from flashinfer.mla import MLAPlanMetadata
+
+        if not workspace:
+            workspace.append(torch.empty(128 * 2**20, device="cuda", dtype=torch.uint8))
+        pages = (-(-inp.cache_seqlens.long() // case.page_size)).tolist()  # pages per sequence
+        kv_indices = torch.cat([inp.block_table[b, :n] for b, n in enumerate(pages)])
+        kv_indptr = torch.tensor([0, *pages], device="cuda").cumsum(0).to(torch.int32)
+        qo_indptr = torch.arange(case.batch + 1, device="cuda", dtype=torch.int32) * case.s_q
+        kv, scales = inp.kv_cache, {}
+        if case.fp8:  # the whole row in e4m3 under one scale (a8e); a8's bf16 k_pe is not offered
+            if not case.fp8_rope:
+                raise NotImplementedError("FlashInfer's float8 MLA takes the whole row in e4m3")
+            kv, scale = inp.kv_fp8, float(inp.kv_scale)
+            scales = {"ckv_scale": scale, "kpe_scale": scale}
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace[0], backend="auto")
+        wrapper.plan(
+            metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, inp.cache_seqlens),
+            num_heads=case.heads, head_dim_ckv=L, head_dim_kpe=R, page_size=case.page_size,
+            causal=True, sm_scale=SCALE, q_data_type=inp.q.dtype, kv_data_type=kv.dtype,
+            scale_mode="kv-per-tensor" if case.fp8 else "default",
+        )  # fmt: skip
+        FLASHINFER_BACKENDS[case.name] = wrapper._planned_backend_name
+        q = inp.q.view(case.batch * case.s_q, case.heads, L + R)
+
+        def fn():
+            out = wrapper.run(query=q, kv_cache=kv, **scales)  # [B * S_q, H, L]
+            return out.view(case.batch, case.s_q, case.heads, L)
+
+        return fn
+
+    return {
+        "mla_decode": ours,
+        "eager_einsum": eager_einsum,
+        "sdpa_mqa": sdpa_mqa,
+        "flex": flex,
+        "flashinfer": flashinfer_mla,
+    }
+
+
+# The concrete backend FlashInfer's ``auto`` planned, per case (reported in each row's note).
+FLASHINFER_BACKENDS: dict[str, str] = {}
+
+
+def flashinfer_version() -> str | None:
+    """FlashInfer's version where it imports, else None."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    return flashinfer.__version__
+
+
+def peer_names(case: Case, peers: tuple[str, ...]) -> list[str]:
+    """The peers of ``peers`` that take this case: the torch peers only 16-bit unmasked caches
+    (FlexAttention only where the anchors have it), FlashInfer unmasked 16-bit or all-e4m3 rows."""
+    names = []
+    for name in peers:
+        if name == "flashinfer":
+            if flashinfer_version() and not case.mask and (not case.fp8 or case.fp8_rope):
+                names.append(name)
+        elif not case.fp8 and not case.mask and (name != "flex" or case.name in FLEX_CASES):
+            names.append(name)
+    return names
 
 
 def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
@@ -531,16 +607,15 @@ def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **
     (folder / f"{name}.json").write_text(json.dumps(report))
 
 
-def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> list[Row]:
-    copies = input_copies(case, l2_bytes, with_contiguous=peers)
+def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, progress) -> list[Row]:
+    names = ["mla_decode", *peer_names(case, peers)]
+    contiguous = any(n in ("eager_einsum", "sdpa_mqa", "flex") for n in names)
+    copies = input_copies(case, l2_bytes, with_contiguous=contiguous)
     first = copies[0]
     nbytes, flops = case_cost(case, first)
     floor = max(nbytes / ceil["copy_bw_Bps"], flops / ceil["bf16_matmul_flops"])
     ref = reference(first, case)
     rows = []
-    names = ["mla_decode"]
-    if peers and not case.fp8 and not case.mask:
-        names += ["eager_einsum", "sdpa_mqa"] + (["flex"] if case.name in FLEX_CASES else [])
     for name in names:
         progress(f"{case.name}:{name}")
         try:
@@ -559,6 +634,8 @@ def run_case(case: Case, ceil: dict, peers: bool, l2_bytes: int, progress) -> li
                     )
             except Exception as exc:  # not capturable: report eager time, say so
                 t, note = t_eager, f"eager only (graph capture failed: {type(exc).__name__})"
+            if name == "flashinfer":
+                note = f"backend {FLASHINFER_BACKENDS.get(case.name)}; {note}".rstrip("; ")
             rows.append(
                 Row(
                     case.name,
@@ -707,6 +784,9 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--out", default=str(Path(__file__).parent / "results"))
     p.add_argument("--no-peers", action="store_true", help="time mla_decode only")
+    p.add_argument(
+        "--peers", default=",".join(PEERS), help=f"peers to time beside mla_decode (of {PEERS})"
+    )
     p.add_argument("--tag", default="", help="suffix for the result files")
     p.add_argument("--sweep", action="store_true", help="tiling/split sweep of our kernel only")
     p.add_argument("--diagnose", action="store_true", help="registers/spills/PTX of our kernel")
@@ -729,12 +809,14 @@ def main() -> None:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    try:
-        import flashinfer
-
-        meta["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        meta["flashinfer"] = "not installed on this machine (no network): not measured"
+    peers = () if args.no_peers else tuple(n for n in args.peers.split(",") if n)
+    unknown = set(peers) - set(PEERS)
+    if unknown:
+        p.error(f"--peers: unknown {sorted(unknown)}; expected names from {PEERS}")
+    meta["flashinfer"] = flashinfer_version() or (
+        "not installed on this machine: not measured (benchmarks/flashinfer_offline.sh carries "
+        "it to a GPU machine with no network)"
+    )
     ceil = ceilings()
     meta.update(ceil)
     selected = [CASES[c] for c in args.cases.split(",")]
@@ -752,7 +834,7 @@ def main() -> None:
     t0 = time.time()
     for case in selected:
         progress = (lambda s: bar.set_postfix_str(s)) if bar else (lambda s: None)
-        rows += run_case(case, ceil, not args.no_peers, props.L2_cache_size, progress)
+        rows += run_case(case, ceil, peers, props.L2_cache_size, progress)
         if bar:
             bar.update()
     if bar:
