@@ -8,13 +8,15 @@ not in the figure, while on a benchmark case it can be), the same for
 FlashInfer's run where it imports, and each layer under ``mla_decode`` called directly (the
 custom op, its CUDA implementation, ``triton_kernels.attention``); then a cProfile of
 ``triton_kernels.attention`` (top functions by their own time: cProfile misreads the custom op's
-dispatch, whose frames run under dynamo's disable wrapper).
+dispatch, whose frames run under dynamo's disable wrapper). Each figure also with Python's
+cyclic garbage collector off (``_gc_off``), and the collections per call of ``mla_decode``.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -36,17 +38,31 @@ SMALL_CASES = {
 }
 
 
-def host_us(fn, calls: int) -> float:
-    """Median over 5 rounds of the host's microseconds per call, enqueueing ``calls`` calls."""
+def host_us(fn, calls: int, gc_off: bool = False) -> float:
+    """Median over 5 rounds of the host's microseconds per call, enqueueing ``calls`` calls;
+    ``gc_off``: with Python's cyclic garbage collector collected, then off, during each round."""
     rounds = []
     for _ in range(5):
         torch.cuda.synchronize()
+        if gc_off:
+            gc.collect()
+            gc.disable()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - t0) / calls * 1e6)
+        gc.enable()
         torch.cuda.synchronize()
     return sorted(rounds)[2]
+
+
+def gc_per_call(fn, calls: int) -> list[float]:
+    """Collections of each of the cyclic collector's generations per call of ``fn``."""
+    before = [g["collections"] for g in gc.get_stats()]
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return [(g["collections"] - b) / calls for g, b in zip(gc.get_stats(), before, strict=True)]
 
 
 @torch.library.custom_op("host_overhead::noop", mutates_args=())
@@ -125,6 +141,8 @@ def main() -> None:
         for fn in fns.values():
             fn()
         row = {"case": name} | {f"{k}_host_us": host_us(fn, args.calls) for k, fn in fns.items()}
+        row |= {f"{k}_host_us_gc_off": host_us(fn, args.calls, True) for k, fn in fns.items()}
+        row["gc_counts_per_call"] = gc_per_call(fns["mla_decode"], args.calls)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
