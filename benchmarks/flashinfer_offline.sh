@@ -6,7 +6,7 @@
 #
 # `pack` installs the pinned FlashInfer wheel and the one dependency the GPU image lacks
 # (apache-tvm-ffi; the rest, torch, numpy, ninja, requests, ..., are on the image) for
-# CPython 3.12 on x86-64 into a folder, and compresses it: 62 MB of wheels, 19 MB as tar.xz, which
+# CPython 3.12 on x86-64 into a folder, and compresses it: 65 MB of wheels, 19 MB as tar.xz, which
 # fits the device tool's 64 MiB carry where the wheels do not. FlashInfer compiles its MLA kernels
 # (fa3 on Hopper) with the machine's nvcc at the first plan, once per machine.
 

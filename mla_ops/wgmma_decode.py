@@ -1567,8 +1567,9 @@ def _score_tiles(
 
     ``HAS_MASK``: an attention mask. At S_q = 1 its one row per tile is prepared by whoever
     issues the tile's copy (the prologue, then warpgroup 1: ``_prepare_mask_terms``) into
-    ``terms_smem``/``hidden_smem`` beside the ring slot, so this warpgroup only adds the terms to
-    its scores (NOTES.md item 69; loading and decoding the row here cost the loop 1.20x). Otherwise
+    ``terms_smem``/``hidden_smem`` beside the ring slot, so this warpgroup only selects keys by
+    them and adds a float mask's bias (NOTES.md item 69; loading and decoding the row here cost
+    the loop 1.20x). Otherwise
     a row per query position is loaded under the tile's own scores (``_mask_load``). The value
     rows of keys it hides from every row are zeroed in the slot before ``P`` is handed over, so
     that both warpgroups' P.V read them zeroed (NOTES.md item 64).
