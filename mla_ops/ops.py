@@ -42,7 +42,8 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .planner import log, plan_splits
+from .plan_cache import PlanCache, follow
+from .planner import SplitPlan, log, plan_splits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # A latent cache may also be stored in float8 e4m3 with one dequantisation scale (kv_scale).
@@ -589,6 +590,28 @@ def _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask) -> bool:
     return triton_kernels.wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)[0]
 
 
+# The planner's split plans by call signature, for eager calls (traced calls plan at trace time).
+_SPLIT_PLANS = PlanCache()
+
+
+def _split_plan(q, kv_c, k_pe, block_table, attn_mask) -> SplitPlan:
+    """``plan_splits`` for a call, asked once per signature in eager mode (it reads only shapes,
+    dtypes and the device)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        bt_shape = None if block_table is None else block_table.shape
+        mask_dtype = None if attn_mask is None else attn_mask.dtype
+        key = (q.device, q.shape, q.dtype, kv_c.shape, kv_c.dtype, k_pe.shape, k_pe.dtype,
+               bt_shape, mask_dtype)  # fmt: skip
+        plan = _SPLIT_PLANS.lookup(key)
+        if plan is not None:
+            return plan
+    capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    wgmma = q.device.type == "cuda" and _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask)
+    plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
+    return plan if key is None else _SPLIT_PLANS.put(key, plan)
+
+
 def mla_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -654,9 +677,7 @@ def mla_decode(
         total_splits,
     )
     if num_splits is None:
-        capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-        wgmma = q.device.type == "cuda" and _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask)
-        plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
+        plan = _split_plan(q, kv_c, k_pe, block_table, attn_mask)
         num_splits = plan.num_splits
         total_splits = plan.total_splits if total_splits is None else total_splits
     return torch.ops.mla.attention(
@@ -699,3 +720,6 @@ def mla_combine(
         ``out [..., L]`` and ``lse [...]``; rows whose states are all empty give zeros and ``-inf``.
     """
     return torch.ops.mla.combine(out_partial, lse_partial, out_dtype)
+
+
+follow(__name__)

@@ -34,6 +34,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from . import planner
+from .launcher import Data, PreparedLaunch
+from .plan_cache import PlanCache, follow
 from .planner import MIN_CHUNK, SPLIT_GRANULE, log, multiprocessor_count, rows_per_program
 from .reference import MASK_HIDDEN, accumulation_dtype
 
@@ -830,72 +833,272 @@ def _decode_path(
     return config, loads
 
 
-def _launch_wgmma(
-    q: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    kv_scale: float | None,
-    causal: bool,
-    num_splits: int,
-    total_splits: int | None,
-    loads: str,
-    fill_empty: bool = True,
-    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    attn_mask: torch.Tensor | None = None,
-) -> None:
-    """The wgmma kernel with its default tiling into partials ``out``/``lse`` (and, with
-    ``merge_into``, the final output: ``wgmma_decode.launch``); records it in ``LAST_LAUNCH``.
-    An ``attn_mask`` is read by the transposed and one-scorer loops, so gathered 64-row programs
-    take the transposed loop instead of the rows-on-M one (NOTES.md items 63-64)."""
-    from . import wgmma_decode
+def _on_device(device: torch.device):
+    """The context for a launch on ``device``: its CUDA device made current (Triton launches on
+    the current one), nothing off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
-    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
-    LAST_LAUNCH["decode_path"] = "wgmma"
-    LAST_LAUNCH["wgmma_loads"] = loads
-    block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
-    float8 = kv_c.dtype == torch.float8_e4m3fn
-    gather = loads == "gather"
-    stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
-    masked = attn_mask is not None
-    one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
-    LAST_LAUNCH["wgmma_one_scorer"] = one_scorer
-    if one_scorer:
-        # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
-        num_warps, producer_warps, rows_on_m = 4, 0, False
-    else:
-        producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
-        rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8) and not masked
-    LAST_LAUNCH["wgmma_producer_warps"] = producer_warps
-    LAST_LAUNCH["wgmma_rows_on_m"] = rows_on_m
-    float8_products = wgmma_decode.default_float8_products(block_m, kv_len, float8, gather)
-    LAST_LAUNCH["wgmma_float8_products"] = float8_products
-    longest_first = wgmma_decode.default_longest_first(
-        q.shape[0], num_splits, total_splits, LENGTHS_PER_STEP, rows_on_m or one_scorer
-    )
-    LAST_LAUNCH["wgmma_order"] = "longest-first" if longest_first else "split-major"
-    if log.isEnabledFor(logging.DEBUG):
-        loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
-        if float8_products:
-            loop += " float8-products"
-        log.debug(
-            "mla::decode wgmma: %d-row %s programs (%s loads, %s cache), %s",
-            block_m, loop, loads, kv_c.dtype, LAST_LAUNCH["wgmma_order"],
+
+class _DecodeKernel:
+    """``mla::decode``'s kernel for one call signature: the Gluon wgmma kernel (``path``'s loads)
+    or the Triton one, its choices made and its launch prepared (``launcher.PreparedLaunch``) at
+    the first launch, from that call's shapes, strides and dtypes; later launches fill in the
+    data only. ``record``: the choices, as ``LAST_LAUNCH`` reports them."""
+
+    def __init__(
+        self,
+        path: tuple[DecodeConfig, str | None],
+        causal: bool,
+        num_splits: int,
+        total_splits: int | None,
+        fill_empty: bool,
+    ) -> None:
+        self.cfg, self.loads = path
+        self.causal, self.num_splits, self.total_splits = causal, num_splits, total_splits
+        self.fill_empty = fill_empty
+        self.prepared: PreparedLaunch | None = None
+        self.choices: dict[str, object] | None = None  # the wgmma kernel's (_wgmma_choices)
+        self.record: dict[str, object] = {}
+        self.use_tma = False
+
+    def launch(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        softmax_scale: float,
+        kv_scale: float | None,
+        attn_mask: torch.Tensor | None,
+        merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Launch into partials ``out``/``lse`` (and with ``merge_into``, the final output:
+        ``wgmma_decode.prepare``); ``LAST_LAUNCH["decode"]`` is the compiled kernel."""
+        from . import wgmma_decode
+
+        float8 = kv_c.dtype == torch.float8_e4m3fn
+        if self.loads and self.choices is None:
+            self.choices = self._wgmma_choices(q, kv_c, k_pe, attn_mask)
+        if self.loads and wgmma_decode.launch is not wgmma_decode.SHIPPED_LAUNCH:
+            # Replaced by an experiment's variant or a test's instrument: called as the op
+            # always called it, with this signature's choices, unprepared.
+            LAST_LAUNCH.update(self.record)
+            with _on_device(q.device):
+                LAST_LAUNCH["decode"] = wgmma_decode.launch(
+                    q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
+                    kv_scale if float8 else None, self.causal, self.num_splits,
+                    self.total_splits, merge_into=merge_into, attn_mask=attn_mask,
+                    **self.choices,
+                )  # fmt: skip
+            LAST_LAUNCH["decode_launch"] = "wgmma_decode.launch replaced: Triton's dispatch"
+            return
+        if self.prepared is None and self.loads:
+            self.prepared = wgmma_decode.prepare(
+                q, kv_c, k_pe, block_table, out, lse, self.causal, self.num_splits,
+                self.total_splits, merge_into=merge_into, attn_mask=attn_mask, **self.choices,
+            )  # fmt: skip
+        elif self.prepared is None:
+            self.prepared = self._prepare_triton(q, kv_c, k_pe, block_table, out, lse, attn_mask)
+        LAST_LAUNCH.update(self.record)
+        if self.loads:
+            data = wgmma_decode.launch_data(
+                q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
+                kv_scale if float8 else None, self.loads == "gather", merge_into=merge_into,
+                attn_mask=attn_mask,
+            )  # fmt: skip
+        else:
+            data = self._triton_data(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
+                                     softmax_scale, kv_scale, attn_mask)  # fmt: skip
+        with _on_device(q.device):
+            LAST_LAUNCH["decode"] = self.prepared.launch(data)
+        LAST_LAUNCH["decode_launch"] = self.prepared.how
+
+    def _wgmma_choices(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+    ) -> dict[str, object]:
+        """The wgmma kernel's default tiling and loop, as ``wgmma_decode.launch``'s keyword
+        arguments. An ``attn_mask`` is read by the transposed and one-scorer loops, so gathered
+        64-row programs take the transposed loop instead of the rows-on-M one (NOTES.md items
+        63-64)."""
+        from . import wgmma_decode
+
+        record = self.record
+        kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+        record["decode_path"] = "wgmma"
+        record["wgmma_loads"] = self.loads
+        block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
+        float8 = kv_c.dtype == torch.float8_e4m3fn
+        gather = self.loads == "gather"
+        stages = wgmma_stages(block_m, kv_len, rope_len, float8, shared_memory_optin(q.device))
+        masked = attn_mask is not None
+        one_scorer = wgmma_decode.default_one_scorer(block_m, float8, gather)
+        record["wgmma_one_scorer"] = one_scorer
+        if one_scorer:
+            # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
+            num_warps, producer_warps, rows_on_m = 4, 0, False
+        else:
+            producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
+            rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8) and not masked
+        record["wgmma_producer_warps"] = producer_warps
+        record["wgmma_rows_on_m"] = rows_on_m
+        float8_products = wgmma_decode.default_float8_products(block_m, kv_len, float8, gather)
+        record["wgmma_float8_products"] = float8_products
+        longest_first = wgmma_decode.default_longest_first(
+            q.shape[0], self.num_splits, self.total_splits, LENGTHS_PER_STEP,
+            rows_on_m or one_scorer,
         )  # fmt: skip
-    with torch.cuda.device(q.device):
-        LAST_LAUNCH["decode"] = wgmma_decode.launch(
-            q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
-            kv_scale if float8 else None, causal, num_splits, total_splits, block_m=block_m,
-            num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE,
-            lengths_per_step=LENGTHS_PER_STEP, gather=gather, fill_empty=fill_empty,
-            producer_warps=producer_warps, rows_on_m=rows_on_m, one_scorer=one_scorer,
-            merge_into=merge_into, longest_first=longest_first, float8_products=float8_products,
-            attn_mask=attn_mask,
+        record["wgmma_order"] = "longest-first" if longest_first else "split-major"
+        if log.isEnabledFor(logging.DEBUG):
+            loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
+            if float8_products:
+                loop += " float8-products"
+            log.debug(
+                "mla::decode wgmma: %d-row %s programs (%s loads, %s cache), %s",
+                block_m, loop, self.loads, kv_c.dtype, record["wgmma_order"],
+            )  # fmt: skip
+        return dict(
+            block_m=block_m, num_warps=num_warps, num_stages=stages, min_chunk=MIN_CHUNK,
+            granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP, gather=gather,
+            fill_empty=self.fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
+            one_scorer=one_scorer, longest_first=longest_first, float8_products=float8_products,
         )  # fmt: skip
+
+    def _prepare_triton(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        block_table: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+    ) -> PreparedLaunch:
+        """The Triton kernel with tiling ``cfg``."""
+        cfg = self.cfg
+        batch, s_q, heads, _ = q.shape
+        kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+        rows = s_q * heads
+        block_l = _next_pow2(kv_len)
+        block_r = _next_pow2(max(rope_len, 1))
+        paged = block_table is not None
+        if paged:
+            num_pages, page_size, capacity = kv_c.shape[0], kv_c.shape[1], 0
+            max_pages = block_table.shape[1]
+            bt_strides = block_table.stride()
+        else:  # page_size is a compile-time constant: the cache length must not be one
+            num_pages, page_size, max_pages, capacity = batch, 1, 1, kv_c.shape[1]
+            bt_strides = (0, 0)  # never read
+        # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        use_tma, why = tma_path(kv_c, k_pe, block_table, cfg.block_n)
+        if cfg.use_tma is False and use_tma:
+            use_tma, why = False, "the tiling turns TMA off (DecodeConfig.use_tma=False)"
+        self.use_tma = use_tma
+        if log.isEnabledFor(logging.DEBUG):
+            how = "TMA" if use_tma else "gather"
+            log.debug("mla::decode kernel: %s loads (%s), %s", how, why, cfg)
+        self.record["decode_path"] = "tma" if use_tma else "gather"
+        # A float8 kv_c is computed with in fp16 (bf16 and fp16 queries; fp32 keeps fp32 dots).
+        kv_f16 = kv_c.dtype == torch.float8_e4m3fn and q.element_size() == 2 and cfg.fp8_in_f16
+        ptx_convert = kv_f16 and cfg.fp8_ptx_convert and has_e4m3_convert(q.device)
+        if kv_f16 and log.isEnabledFor(logging.DEBUG):
+            how = "inline PTX" if ptx_convert else "Triton's cast (no sm_89+ CUDA device or off)"
+            log.debug("mla::decode kernel: float8 tiles computed in fp16, converted by %s", how)
+        mask_strides, mask_len = (0, 0, 0), 0
+        if attn_mask is not None:
+            mask_strides, mask_len = attn_mask.stride(), attn_mask.shape[-1]
+        grid = (batch * math.ceil(rows / cfg.block_m), self.num_splits)
+        names = ("q", "kv_c", "k_pe", "cache_seqlens", "bt", "out", "lse", "kv_desc", "pe_desc",
+                 "mask")  # fmt: skip
+        args = [Data(name) for name in names]
+        args += [
+            *q.stride(),
+            *kv_c.stride(),
+            *k_pe.stride(),
+            *bt_strides,
+            *out.stride(),
+            *lse.stride(),
+            *mask_strides,
+            mask_len,
+            num_pages,
+            max_pages,
+            capacity,
+            Data("scale_log2"),
+            Data("kv_scale_c"),
+            Data("kv_scale_pe"),
+            self.num_splits,
+            self.total_splits or 0,
+            batch,
+        ]
+        constexprs = dict(
+            S_Q=s_q,
+            H=heads,
+            L=kv_len,
+            R=rope_len,
+            PAGE_SIZE=page_size,
+            MIN_CHUNK=MIN_CHUNK,
+            GRANULE=SPLIT_GRANULE,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_L=block_l,
+            BLOCK_R=block_r,
+            PAGED=paged,
+            CAUSAL=self.causal,
+            HAS_PE=rope_len > 0,
+            DOT_PRECISION=precision,
+            USE_TMA=use_tma,
+            HAS_MASK=attn_mask is not None,
+            MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+            MASK_HIDDEN=MASK_HIDDEN,
+            KV_F16=kv_f16,
+            PTX_CONVERT=ptx_convert,
+            BALANCED=self.total_splits is not None,
+            ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
+            BLOCK_B=LENGTHS_PER_STEP,
+            FILL_EMPTY=self.fill_empty,
+            LAUNCH_DEPENDENTS=has_pdl(q.device),
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        return PreparedLaunch(_mla_decode_kernel, grid, args, constexprs)
+
+    def _triton_data(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor | None,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        softmax_scale: float,
+        kv_scale: float | None,
+        attn_mask: torch.Tensor | None,
+    ) -> dict[str, object]:
+        """One call's data for the Triton kernel's prepared launch."""
+        use_tma, block_n = self.use_tma, self.cfg.block_n
+        mask = None
+        if attn_mask is not None:
+            # A bool tensor is read as bytes (same storage, no copy).
+            mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+        return {
+            "q": q, "kv_c": kv_c, "k_pe": k_pe, "cache_seqlens": cache_seqlens,
+            # Unpaged: never read.
+            "bt": block_table if block_table is not None else cache_seqlens,
+            "out": out, "lse": lse,
+            "kv_desc": _descriptor(kv_c, block_n) if use_tma else None,
+            "pe_desc": _descriptor(k_pe, block_n) if use_tma and k_pe.shape[-1] else None,
+            "mask": mask, "scale_log2": softmax_scale * 1.4426950408889634,
+            "kv_scale_c": kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
+            "kv_scale_pe": kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
+        }  # fmt: skip
 
 
 def decode(
@@ -912,121 +1115,27 @@ def decode(
     total_splits: int | None = None,
     config: DecodeConfig | None = None,
     fill_empty: bool = True,
-    path: tuple[DecodeConfig, str | None] | None = None,
+    kernel: _DecodeKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the decode kernel; same contract as ``reference.decode``. bf16/fp16/fp32 q only.
 
     fill_empty: write an empty split's zero ``out`` (False: only its ``lse = -inf``).
-    path: ``_decode_path``'s answer when the caller has it already (``attention``).
+    kernel: the call signature's kernel when the caller keeps one (``attention``'s plans); else
+    its choices are made for this call alone.
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
     batch, s_q, heads, _ = q.shape
-    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    kv_len = kv_c.shape[-1]
     out = new_output((batch, s_q, heads, num_splits, kv_len), torch.float32, q.device)
     lse = new_output((batch, s_q, heads, num_splits), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-
-    rows = s_q * heads
-    cfg, loads = path or _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
-    if loads:
-        _launch_wgmma(
-            q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, causal,
-            num_splits, total_splits, loads, fill_empty=fill_empty, attn_mask=attn_mask,
-        )  # fmt: skip
-        return out, lse
-    block_l = _next_pow2(kv_len)
-    block_r = _next_pow2(max(rope_len, 1))
-    paged = block_table is not None
-    if paged:
-        num_pages, page_size, capacity = kv_c.shape[0], kv_c.shape[1], 0
-        max_pages = block_table.shape[1]
-        bt, bt_strides = block_table, block_table.stride()
-    else:  # page_size is a compile-time constant: the cache length must not be one
-        num_pages, page_size, max_pages, capacity = batch, 1, 1, kv_c.shape[1]
-        bt, bt_strides = cache_seqlens, (0, 0)  # never read
-    # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    use_tma, why = tma_path(kv_c, k_pe, block_table, cfg.block_n)
-    if cfg.use_tma is False and use_tma:
-        use_tma, why = False, "the tiling turns TMA off (DecodeConfig.use_tma=False)"
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("mla::decode kernel: %s loads (%s), %s", "TMA" if use_tma else "gather", why, cfg)
-    kv_desc = _descriptor(kv_c, cfg.block_n) if use_tma else None
-    pe_desc = _descriptor(k_pe, cfg.block_n) if use_tma and rope_len else None
-    LAST_LAUNCH["decode_path"] = "tma" if use_tma else "gather"
-    # A float8 kv_c is computed with in fp16 (bf16 and fp16 queries; fp32 keeps fp32 dots).
-    kv_f16 = kv_c.dtype == torch.float8_e4m3fn and q.element_size() == 2 and cfg.fp8_in_f16
-    ptx_convert = kv_f16 and cfg.fp8_ptx_convert and has_e4m3_convert(q.device)
-    if kv_f16 and log.isEnabledFor(logging.DEBUG):
-        how = "inline PTX" if ptx_convert else "Triton's cast (no sm_89+ CUDA device or turned off)"
-        log.debug("mla::decode kernel: float8 tiles computed in fp16, converted by %s", how)
-    if attn_mask is None:
-        mask, mask_strides, mask_len = None, (0, 0, 0), 0
-    else:
-        # A bool tensor is read as bytes (same storage, no copy).
-        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-        mask_strides, mask_len = mask.stride(), mask.shape[-1]
-    grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
-    with torch.cuda.device(q.device) if q.is_cuda else nullcontext():
-        LAST_LAUNCH["decode"] = _mla_decode_kernel[grid](
-            q,
-            kv_c,
-            k_pe,
-            cache_seqlens,
-            bt,
-            out,
-            lse,
-            kv_desc,
-            pe_desc,
-            mask,
-            *q.stride(),
-            *kv_c.stride(),
-            *k_pe.stride(),
-            *bt_strides,
-            *out.stride(),
-            *lse.stride(),
-            *mask_strides,
-            mask_len,
-            num_pages,
-            max_pages,
-            capacity,
-            softmax_scale * 1.4426950408889634,
-            kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
-            kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
-            num_splits,
-            total_splits or 0,
-            batch,
-            S_Q=s_q,
-            H=heads,
-            L=kv_len,
-            R=rope_len,
-            PAGE_SIZE=page_size,
-            MIN_CHUNK=MIN_CHUNK,
-            GRANULE=SPLIT_GRANULE,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_L=block_l,
-            BLOCK_R=block_r,
-            PAGED=paged,
-            CAUSAL=causal,
-            HAS_PE=rope_len > 0,
-            DOT_PRECISION=precision,
-            USE_TMA=use_tma,
-            HAS_MASK=attn_mask is not None,
-            MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
-            MASK_HIDDEN=MASK_HIDDEN,
-            KV_F16=kv_f16,
-            PTX_CONVERT=ptx_convert,
-            BALANCED=total_splits is not None,
-            ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
-            BLOCK_B=LENGTHS_PER_STEP,
-            FILL_EMPTY=fill_empty,
-            LAUNCH_DEPENDENTS=has_pdl(q.device),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
+    if kernel is None:
+        path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
+        kernel = _DecodeKernel(path, causal, num_splits, total_splits, fill_empty)
+    kernel.launch(q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale,
+                  attn_mask)  # fmt: skip
     return out, lse
 
 
@@ -1063,41 +1172,68 @@ def combine_tiling(
     return block_s, block_l
 
 
-def combine(
-    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the combine kernel; same contract as ``reference.combine``."""
-    lead = out_partial.shape[:-2]
-    num_splits, kv_len = out_partial.shape[-2:]
-    out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
-    lse = new_output(tuple(lead), accumulation_dtype(out_partial.dtype), out_partial.device)
-    if out.numel() == 0 and lse.numel() == 0:
-        return out, lse
-    o3 = out_partial.reshape(-1, num_splits, kv_len)
-    l2 = lse_partial.reshape(-1, num_splits)
-    out2 = out.view(-1, kv_len)
-    sms = multiprocessor_count(out.device) if out.is_cuda else 0
-    block_s, block_l = combine_tiling(num_splits, kv_len, o3.shape[0], sms)
-    LAST_LAUNCH["combine_tiling"] = (block_s, block_l)
-    pdl = has_pdl(out.device)
-    with torch.cuda.device(out.device) if out.is_cuda else nullcontext():
-        _mla_combine_kernel[(o3.shape[0], triton.cdiv(kv_len, block_l))](
-            o3,
-            l2,
-            out2,
-            lse.view(-1),
-            *o3.stride(),
-            *l2.stride(),
-            *out2.stride(),
-            num_splits,
-            kv_len,
+class _CombineKernel:
+    """``mla::combine``'s kernel for one call signature, prepared at its first launch (as
+    ``_DecodeKernel``); ``record``: its tiling, as ``LAST_LAUNCH`` reports it."""
+
+    def __init__(self) -> None:
+        self.prepared: PreparedLaunch | None = None
+        self.record: dict[str, object] = {}
+
+    def launch(
+        self, out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """Merge ``out_partial [..., S, L]``/``lse_partial [..., S]`` into ``out [..., L]`` and
+        ``lse [...]``."""
+        num_splits, kv_len = out_partial.shape[-2:]
+        o3 = out_partial.reshape(-1, num_splits, kv_len)
+        l2 = lse_partial.reshape(-1, num_splits)
+        out2 = out.view(-1, kv_len)
+        lse1 = lse.view(-1)
+        if self.prepared is None:
+            self.prepared = self._prepare(o3, l2, out2, lse1)
+        LAST_LAUNCH.update(self.record)
+        with _on_device(out.device):
+            self.prepared.launch({"o3": o3, "l2": l2, "out2": out2, "lse1": lse1})
+
+    def _prepare(
+        self, o3: torch.Tensor, l2: torch.Tensor, out2: torch.Tensor, lse1: torch.Tensor
+    ) -> PreparedLaunch:
+        rows, num_splits, kv_len = o3.shape
+        sms = multiprocessor_count(out2.device) if out2.is_cuda else 0
+        block_s, block_l = combine_tiling(num_splits, kv_len, rows, sms)
+        self.record["combine_tiling"] = (block_s, block_l)
+        pdl = has_pdl(out2.device)
+        args = [Data("o3"), Data("l2"), Data("out2"), Data("lse1"), *o3.stride(), *l2.stride(),
+                *out2.stride(), num_splits, kv_len]  # fmt: skip
+        constexprs = dict(
             BLOCK_S=block_s,
             BLOCK_L=block_l,
-            ACC=tl.float64 if lse.dtype == torch.float64 else tl.float32,
+            ACC=tl.float64 if lse1.dtype == torch.float64 else tl.float32,
             WAIT_PRIMARY=pdl,
             num_warps=2,
             **({"launch_pdl": True} if pdl else {}),
         )
+        return PreparedLaunch(_mla_combine_kernel, (rows, triton.cdiv(kv_len, block_l)), args,
+                              constexprs)  # fmt: skip
+
+
+def combine(
+    out_partial: torch.Tensor,
+    lse_partial: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    kernel: _CombineKernel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the combine kernel; same contract as ``reference.combine``. kernel: as
+    ``decode``'s."""
+    lead = out_partial.shape[:-2]
+    kv_len = out_partial.shape[-1]
+    out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
+    lse = new_output(tuple(lead), accumulation_dtype(out_partial.dtype), out_partial.device)
+    if out.numel() == 0 and lse.numel() == 0:
+        return out, lse
+    (kernel or _CombineKernel()).launch(out_partial, lse_partial, out, lse)
     return out, lse
 
 
@@ -1153,6 +1289,112 @@ def merge_path(loads: str | None, num_splits: int) -> tuple[bool, str]:
     return True, f"wgmma kernel, num_splits={num_splits} <= {MERGE_MAX_SPLITS}"
 
 
+def _tensor_signature(t: torch.Tensor | None) -> tuple | None:
+    # What a launch is specialised on: shape, strides, dtype, and the base's 16-byte alignment
+    # (Triton's pointer specialisation; the TMA and gather paths' condition).
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.data_ptr() % 16
+
+
+def call_signature(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    num_splits: int,
+    kv_scale: float | None,
+    attn_mask: torch.Tensor | None,
+    total_splits: int | None,
+) -> tuple:
+    """Everything ``attention``'s choices and kernel launches depend on besides tensor data and
+    the float scalars: shapes, strides, dtypes, 16-byte alignment, the device and the integer
+    and flag arguments. Calls of one signature share an ``_AttentionPlan``."""
+    return (
+        q.device,
+        _tensor_signature(q),
+        _tensor_signature(kv_c),
+        _tensor_signature(k_pe),
+        _tensor_signature(cache_seqlens),
+        _tensor_signature(block_table),
+        _tensor_signature(attn_mask),
+        causal,
+        num_splits,
+        kv_scale is None,
+        total_splits,
+    )
+
+
+class _AttentionPlan:
+    """What ``mla::attention`` does for one call signature (``call_signature``): merge in the
+    decode kernel or launch ``mla::combine``, each kernel prepared at its first launch."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        block_table: torch.Tensor | None,
+        causal: bool,
+        num_splits: int,
+        attn_mask: torch.Tensor | None,
+        total_splits: int | None,
+    ) -> None:
+        path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
+        self.merge, why = merge_path(path[1], num_splits)
+        self.record = {"merge": ("decode kernel: " if self.merge else "mla::combine: ") + why}
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("mla::attention: splits merged by the %s", self.record["merge"])
+        self.decode = _DecodeKernel(path, causal, num_splits, total_splits, fill_empty=False)
+        self.combine = _CombineKernel()
+
+    def run(
+        self,
+        q: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        block_table: torch.Tensor | None,
+        softmax_scale: float,
+        num_splits: int,
+        kv_scale: float | None,
+        attn_mask: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        LAST_LAUNCH.update(self.record)
+        if not self.merge:
+            out_partial, lse_partial = decode(
+                q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, self.decode.causal,
+                num_splits, kv_scale, attn_mask, self.decode.total_splits, fill_empty=False,
+                kernel=self.decode,
+            )  # fmt: skip
+            return combine(out_partial, lse_partial, q.dtype, kernel=self.combine)
+        batch, s_q, heads, _ = q.shape
+        kv_len = kv_c.shape[-1]
+        out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
+        lse = new_output((batch, s_q, heads), torch.float32, q.device)
+        if out.numel() == 0 and lse.numel() == 0:
+            return out, lse
+        # Scratch for sequences in several chunks; with one split per sequence none is ever
+        # written.
+        rows = (batch, s_q, heads) if num_splits > 1 else (1, 1, 1)
+        out_partial = torch.empty((*rows, num_splits, kv_len), dtype=torch.float32, device=q.device)
+        lse_partial = torch.empty((*rows, num_splits), dtype=torch.float32, device=q.device)
+        block_m, _ = wgmma_tiling(s_q * heads)
+        arrivals = arrival_counters(q.device, batch * math.ceil(s_q * heads / block_m))
+        self.decode.launch(
+            q, kv_c, k_pe, cache_seqlens, block_table, out_partial, lse_partial, softmax_scale,
+            kv_scale, attn_mask, merge_into=(out, lse, arrivals),
+        )  # fmt: skip
+        return out, lse
+
+
+# Plans of mla::attention by call signature; cleared whenever this module, ``planner`` or
+# ``wgmma_decode`` has an attribute set (tests and experiments patch choices and knobs).
+_PLANS = PlanCache()
+
+
 def attention(
     q: torch.Tensor,
     kv_c: torch.Tensor,
@@ -1172,32 +1414,21 @@ def attention(
     output itself (``merge_path``): a sequence in one chunk directly, a sequence in several by the
     program that finishes last. Otherwise the decode kernel's partials go through the combine
     kernel. ``LAST_LAUNCH["merge"]`` says which and why.
+
+    The choices and the kernels' arguments are made once per ``call_signature`` and kept (an
+    ``_AttentionPlan``); later calls of the signature only allocate and launch, each kernel
+    straight through its compiled launcher (``launcher.PreparedLaunch``;
+    ``LAST_LAUNCH["decode_launch"]`` says how the decode kernel went).
     """
-    batch, s_q, heads, _ = q.shape
-    kv_len = kv_c.shape[-1]
-    path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
-    loads = path[1]
-    merge, why = merge_path(loads, num_splits)
-    LAST_LAUNCH["merge"] = ("decode kernel: " if merge else "mla::combine: ") + why
-    if log.isEnabledFor(logging.DEBUG):
-        log.debug("mla::attention: splits merged by the %s", LAST_LAUNCH["merge"])
-    args = (q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-            kv_scale, attn_mask, total_splits)  # fmt: skip
-    if not merge:
-        return combine(*decode(*args, fill_empty=False, path=path), q.dtype)
-    out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
-    lse = new_output((batch, s_q, heads), torch.float32, q.device)
-    if out.numel() == 0 and lse.numel() == 0:
-        return out, lse
-    # Scratch for sequences in several chunks; with one split per sequence none is ever written.
-    rows = (batch, s_q, heads) if num_splits > 1 else (1, 1, 1)
-    out_partial = torch.empty((*rows, num_splits, kv_len), dtype=torch.float32, device=q.device)
-    lse_partial = torch.empty((*rows, num_splits), dtype=torch.float32, device=q.device)
-    block_m, _ = wgmma_tiling(s_q * heads)
-    arrivals = arrival_counters(q.device, batch * math.ceil(s_q * heads / block_m))
-    _launch_wgmma(
-        q, kv_c, k_pe, cache_seqlens, block_table, out_partial, lse_partial, softmax_scale,
-        kv_scale, causal, num_splits, total_splits, loads, fill_empty=False,
-        merge_into=(out, lse, arrivals), attn_mask=attn_mask,
-    )  # fmt: skip
-    return out, lse
+    key = call_signature(q, kv_c, k_pe, cache_seqlens, block_table, causal, num_splits, kv_scale,
+                         attn_mask, total_splits)  # fmt: skip
+    plan = _PLANS.lookup(key)
+    if plan is None:
+        plan = _PLANS.put(key, _AttentionPlan(q, kv_c, k_pe, block_table, causal, num_splits,
+                                              attn_mask, total_splits))  # fmt: skip
+    return plan.run(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits,
+                    kv_scale, attn_mask)  # fmt: skip
+
+
+follow(__name__)
+follow(planner.__name__)

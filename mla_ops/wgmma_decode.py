@@ -82,6 +82,8 @@ CUDA device qualifies.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -97,6 +99,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .launcher import Data, PreparedLaunch
+from .plan_cache import follow
 
 # Triton 3.6 names the bulk tensor load ``async_copy_global_to_shared``; later Gluon releases
 # renamed it ``async_load`` and made the old name raise. Same arguments (descriptor, coordinates,
@@ -2334,11 +2339,16 @@ def _can_rank(batch: int, num_splits: int, total_splits: int | None, lengths_per
     )
 
 
+@functools.cache
+def _shared_layout(block_n: int, width: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    # Built once per tile shape: it takes several microseconds of a launch's host time.
+    return gl.NVMMASharedLayout.get_default_for([block_n, width], _GL_DTYPES[dtype])
+
+
 def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
     """Gluon TMA descriptor of a paged ``[num_pages, page_size, W]`` cache as ``[tokens, W]``."""
     rows, width = t.shape[0] * t.shape[1], t.shape[2]
-    dtype = _GL_DTYPES[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for([block_n, width], dtype)
+    layout = _shared_layout(block_n, width, t.dtype)
     return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width], layout)
 
 
@@ -2373,6 +2383,96 @@ def launch(
     attn_mask: torch.Tensor | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
+
+    ``prepare`` with these arguments, then its launch with this call's ``launch_data``; see
+    ``prepare`` for the arguments.
+    """
+    prepared = prepare(
+        q, kv_c, k_pe, block_table, out, lse, causal, num_splits, total_splits, block_m,
+        num_warps, num_stages, min_chunk, granule, lengths_per_step, gather=gather,
+        fill_empty=fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
+        one_scorer=one_scorer, merge_into=merge_into, stamps=stamps, longest_first=longest_first,
+        float8_products=float8_products, attn_mask=attn_mask,
+    )  # fmt: skip
+    data = launch_data(
+        q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, gather,
+        merge_into=merge_into, stamps=stamps, attn_mask=attn_mask,
+    )  # fmt: skip
+    return prepared.launch(data)
+
+
+# The launch this module ships: the op prepares it (``prepare``) and calls a replacement instead
+# (an experiment's variant, a test's instrument), unprepared.
+SHIPPED_LAUNCH = launch
+
+
+def launch_data(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: float | None,
+    gather: bool,
+    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stamps: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> dict[str, object]:
+    """One call's data for a launch ``prepare`` made (its ``Data`` slots by name): the tensors,
+    the cache's TMA descriptors (none for gathered tiles) and the float scalars."""
+    # Without merge_into the final pointers are never used: the partials stand in for them.
+    final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
+    kv_desc = pe_desc = None
+    if not gather:
+        kv_desc = descriptor(kv_c)
+        pe_desc = descriptor(k_pe) if k_pe.shape[-1] else kv_desc
+    mask = arrivals
+    if attn_mask is not None:
+        # A bool tensor is read as bytes (same storage, no copy).
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    return {
+        "q": q, "cache_seqlens": cache_seqlens, "block_table": block_table, "out": out,
+        "lse": lse, "final_out": final_out, "final_lse": final_lse, "arrivals": arrivals,
+        "stamps": arrivals if stamps is None else stamps, "kv_desc": kv_desc,
+        "pe_desc": pe_desc, "kv_c": kv_c, "pe": k_pe if k_pe.shape[-1] else kv_c, "mask": mask,
+        "scale_log2": softmax_scale * 1.4426950408889634,
+        "kv_scale": 1.0 if kv_scale is None else kv_scale,
+    }  # fmt: skip
+
+
+def prepare(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    num_splits: int,
+    total_splits: int | None,
+    block_m: int,
+    num_warps: int,
+    num_stages: int,
+    min_chunk: int,
+    granule: int,
+    lengths_per_step: int,
+    gather: bool = False,
+    fill_empty: bool = True,
+    producer_warps: int | None = None,
+    rows_on_m: bool | None = None,
+    one_scorer: bool = False,
+    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    stamps: torch.Tensor | None = None,
+    longest_first: bool | None = None,
+    float8_products: bool | None = None,
+    attn_mask: torch.Tensor | None = None,
+) -> PreparedLaunch:
+    """The kernel's launch for these tensors' shapes, strides and dtypes, into preallocated
+    partials ``out``/``lse``, with each call's data left as slots (``launch_data`` fills them).
+    Reads no tensor's data: a prepared launch serves every call of the same signature.
 
     gather: copy KV tiles row by row with ``cp.async`` (any page size) instead of by TMA
     (``triton_kernels.wgmma_loads`` says which a cache allows). fill_empty: an empty split writes
@@ -2446,11 +2546,6 @@ def launch(
             f"lengths_per_step={lengths_per_step} sequences (got {batch}) and "
             f"{LONGEST_FIRST_MAX_SPLITS.value} splits (got {num_splits})"
         )
-    if gather:
-        kv_desc = pe_desc = None
-    else:
-        kv_desc = descriptor(kv_c)
-        pe_desc = descriptor(k_pe) if rope_len else kv_desc
     pe = k_pe if rope_len else kv_c
 
     def vec_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -2459,14 +2554,12 @@ def launch(
         return t.stride(0) // unit, t.stride(1) // unit
 
     grid = (batch * triton.cdiv(s_q * heads, block_m) * num_splits,)
-    # Without merge_into the final pointers are never used: the partials stand in for them.
-    final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
-    final_strides = (*final_out.stride(), *final_lse.stride()) if merge_into else (0,) * 7
-    mask, mask_strides, mask_len = None, (0, 0, 0), 0
+    final_strides = (0,) * 7
+    if merge_into:
+        final_strides = (*merge_into[0].stride(), *merge_into[1].stride())
+    mask_strides, mask_len = (0, 0, 0), 0
     if attn_mask is not None:
-        # A bool tensor is read as bytes (same storage, no copy).
-        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-        mask_strides, mask_len = mask.stride(), mask.shape[-1]
+        mask_strides, mask_len = attn_mask.stride(), attn_mask.shape[-1]
     if stamps is not None and (
         stamps.dtype != torch.int64 or tuple(stamps.shape) != (grid[0], STAMP_SLOTS.value)
     ):
@@ -2474,21 +2567,10 @@ def launch(
             f"stamps: expected int64 [{grid[0]}, {STAMP_SLOTS.value}] (programs x slots), got "
             f"{stamps.dtype} {list(stamps.shape)}"
         )
-    return _mla_decode_wgmma_kernel[grid](
-        q,
-        cache_seqlens,
-        block_table,
-        out,
-        lse,
-        final_out,
-        final_lse,
-        arrivals,
-        stamps if stamps is not None else arrivals,
-        kv_desc,
-        pe_desc,
-        kv_c,
-        pe,
-        mask if attn_mask is not None else arrivals,
+    names = ("q", "cache_seqlens", "block_table", "out", "lse", "final_out", "final_lse",
+             "arrivals", "stamps", "kv_desc", "pe_desc", "kv_c", "pe", "mask")  # fmt: skip
+    args = [Data(name) for name in names]
+    args += [
         *q.stride(),
         *block_table.stride(),
         *vec_strides(kv_c),
@@ -2500,11 +2582,13 @@ def launch(
         kv_c.shape[0],
         block_table.shape[1],
         mask_len,
-        softmax_scale * 1.4426950408889634,
-        1.0 if kv_scale is None else kv_scale,
+        Data("scale_log2"),
+        Data("kv_scale"),
         num_splits,
         total_splits or 0,
         batch,
+    ]
+    constexprs = dict(
         S_Q=s_q,
         H=heads,
         L=kv_len,
@@ -2538,3 +2622,7 @@ def launch(
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
         num_warps=num_warps,
     )
+    return PreparedLaunch(_mla_decode_wgmma_kernel, grid, args, constexprs)
+
+
+follow(__name__)

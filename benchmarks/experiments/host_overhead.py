@@ -6,7 +6,10 @@ Per case: the host's wall time to enqueue ``--calls`` back-to-back calls (no syn
 between; on the default small cases the GPU's time per call is far below the host's, so it is
 not in the figure, while on a benchmark case it can be), the same for
 FlashInfer's run where it imports, and each layer under ``mla_decode`` called directly (the
-custom op, its CUDA implementation, ``triton_kernels.attention``); then a cProfile of
+custom op, its CUDA implementation, ``triton_kernels.attention`` with its plan kept and with
+every plan dropped before each call, as every call was before NOTES.md item 71) and parts of
+them alone (checks, split plan, kernel choice, descriptors, the plan's lookup, the kept decode
+launch directly and by Triton's dispatch); then a cProfile of
 ``triton_kernels.attention`` (top functions by their own time: cProfile misreads the custom op's
 dispatch, whose frames run under dynamo's disable wrapper). Each figure also with Python's
 cyclic garbage collector off (``_gc_off``), and the collections per call of ``mla_decode``.
@@ -92,8 +95,17 @@ def layer_fns(case: bd.Case, inp: bd.Inputs) -> dict:
     fns["triton_kernels.attention"] = lambda a=op_args: triton_kernels.attention(*a)
     fns["torch.empty x3"] = lambda: [torch.empty(64, device="cuda") for _ in range(3)]
     fns["a custom op returning new_empty"] = lambda: torch.ops.host_overhead.noop(inp.q)
-    # Parts of those layers, each alone: the checks, the plan, the kernel choice, the TMA
-    # descriptors, and the launch with the arguments the call passed it.
+    # The first call of a signature: every plan dropped before each call (the choices, the
+    # prepared launches and Triton's dispatch of them, as every call made before item 71).
+    from mla_ops import plan_cache
+
+    def unplanned(a=op_args):
+        plan_cache.clear_plans()
+        return triton_kernels.attention(*a)
+
+    fns["triton_kernels.attention, plans dropped each call"] = unplanned
+    # Parts of those layers, each alone: the checks, the split plan, the kernel choice, the TMA
+    # descriptors, the plan's lookup, and the kept plan's decode launch with one call's data.
     from mla_ops import planner, wgmma_decode
 
     capacity = inp.block_table.shape[1] * kv_c.shape[1]
@@ -103,24 +115,37 @@ def layer_fns(case: bd.Case, inp: bd.Inputs) -> dict:
     fns["part: plan_splits"] = lambda: planner.plan_splits(
         q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, True
     )
+    fns["part: _split_plan (kept)"] = lambda: ops._split_plan(q, kv_c, k_pe, bt, mask)
     fns["part: _decode_path"] = lambda: triton_kernels._decode_path(q, kv_c, k_pe, bt, mask, None)
     fns["part: descriptor x2"] = lambda: (
         wgmma_decode.descriptor(kv_c),
         wgmma_decode.descriptor(k_pe),
     )
+    signature = (q, kv_c, k_pe, inp.cache_seqlens, bt, True, plan.num_splits, inp.kv_scale, mask,
+                 plan.total_splits)  # fmt: skip
+    fns["part: call_signature + lookup"] = lambda: triton_kernels._PLANS.lookup(
+        triton_kernels.call_signature(*signature)
+    )
+    triton_kernels.attention(*op_args)
+    kept = triton_kernels._PLANS.lookup(triton_kernels.call_signature(*signature))
+    prepared = kept.decode.prepared
     captured = {}
-    real_launch = wgmma_decode.launch
+    real_launch = prepared.launch
 
-    def capture(*a, **k):
-        captured.update(args=a, kwargs=k)
-        return real_launch(*a, **k)
+    def capture(data):
+        captured["data"] = data
+        return real_launch(data)
 
-    wgmma_decode.launch = capture
+    prepared.launch = capture
     try:
         triton_kernels.attention(*op_args)
     finally:
-        wgmma_decode.launch = real_launch
-    fns["part: wgmma_decode.launch"] = lambda c=captured: real_launch(*c["args"], **c["kwargs"])
+        del prepared.launch  # the class's method again
+    data = captured["data"]
+    fns["part: decode's PreparedLaunch.launch (direct)"] = lambda: prepared.launch(data)
+    fns["part: the same launch by Triton's dispatch"] = lambda: prepared.kernel[prepared.grid](
+        *prepared.fill(data), **prepared.kwargs
+    )
     return fns
 
 
@@ -138,6 +163,7 @@ def main() -> None:
         if bd.peer_names(case, ("flashinfer",)):
             fns["flashinfer"] = bd.impls(case)["flashinfer"](inp)
         fns |= layer_fns(case, inp)
+        fns["mla_decode, again"] = fns["mla_decode"]  # the first figure of a run can read high
         for fn in fns.values():
             fn()
         row = {"case": name} | {f"{k}_host_us": host_us(fn, args.calls) for k, fn in fns.items()}

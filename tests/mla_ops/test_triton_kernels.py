@@ -22,17 +22,11 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 
 
 @pytest.fixture
-def kernels(monkeypatch):
-    from mla_ops import triton_kernels
-
-    def poisoned(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(triton_kernels, "new_output", poisoned)
+def kernels(kernels, monkeypatch):
     # These tests are about the Triton kernel: on a Hopper GPU the op would otherwise take the
     # Gluon wgmma kernel where it applies (tested in test_wgmma_decode.py).
-    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: False)
-    return triton_kernels
+    monkeypatch.setattr(kernels, "has_wgmma", lambda device: False)
+    return kernels
 
 
 @pytest.fixture(params=["gather", "tma"])
