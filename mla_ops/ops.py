@@ -603,7 +603,10 @@ def _split_plan(q, kv_c, k_pe, block_table, attn_mask) -> SplitPlan:
         mask_dtype = None if attn_mask is None else attn_mask.dtype
         key = (q.device, q.shape, q.dtype, kv_c.shape, kv_c.dtype, k_pe.shape, k_pe.dtype,
                bt_shape, mask_dtype)  # fmt: skip
-        plan = _SPLIT_PLANS.lookup(key)
+        try:
+            plan = _SPLIT_PLANS.lookup(key)
+        except TypeError:  # symbolic sizes traced outside torch.compile: planned, not kept
+            key = plan = None
         if plan is not None:
             return plan
     capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
