@@ -48,8 +48,9 @@ def clear_plans() -> None:
 
 
 class PlanCache(dict):
-    """A dict of plans by signature, at most ``capacity`` of them (the oldest goes first), cleared
-    with every other ``PlanCache`` by ``clear_plans`` and when a followed module changes."""
+    """A dict of plans by signature, at most ``capacity`` of them (the least recently used goes
+    first), cleared with every other ``PlanCache`` by ``clear_plans`` and when a followed module
+    changes."""
 
     def __init__(self, capacity: int = 256) -> None:
         super().__init__()
@@ -61,7 +62,10 @@ class PlanCache(dict):
         if not _followed_unchanged():
             clear_plans()
             return None
-        return self.get(key)
+        plan = self.pop(key, None)
+        if plan is not None:
+            self[key] = plan  # now the most recently used
+        return plan
 
     def put(self, key: Any, plan: Any) -> Any:
         """Keep ``plan`` under ``key``; returns it."""

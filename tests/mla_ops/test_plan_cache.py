@@ -28,8 +28,9 @@ def test_lookup_put_and_capacity() -> None:
     assert cache.lookup("a") is None
     assert cache.put("a", 1) == 1 and cache.lookup("a") == 1
     cache.put("b", 2)
-    cache.put("c", 3)  # the oldest, "a", goes
-    assert cache.lookup("a") is None and cache.lookup("b") == 2 and cache.lookup("c") == 3
+    assert cache.lookup("a") == 1  # "b" is now the least recently used
+    cache.put("c", 3)
+    assert cache.lookup("b") is None and cache.lookup("a") == 1 and cache.lookup("c") == 3
     plan_cache.clear_plans()
     assert cache.lookup("b") is None and len(cache) == 0
 
