@@ -1390,8 +1390,9 @@ class _AttentionPlan:
         return out, lse
 
 
-# Plans of mla::attention by call signature; cleared whenever this module, ``planner`` or
-# ``wgmma_decode`` has an attribute set (tests and experiments patch choices and knobs).
+# Plans of mla::attention by call signature; dropped whenever a global of ``ops``, ``planner``,
+# this module or ``wgmma_decode`` is rebound, added or removed (``plan_cache.follow``: tests and
+# experiments patch choices and knobs).
 _PLANS = PlanCache()
 
 
