@@ -1121,7 +1121,7 @@ def decode(
 
     fill_empty: write an empty split's zero ``out`` (False: only its ``lse = -inf``).
     kernel: the call signature's kernel when the caller keeps one (``attention``'s plans); else
-    its choices are made for this call alone.
+    the one kept here per ``call_signature`` (with ``config``, made for this call alone).
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton decode kernel takes bf16/fp16/fp32 q, got {q.dtype}")
@@ -1131,7 +1131,16 @@ def decode(
     lse = new_output((batch, s_q, heads, num_splits), torch.float32, q.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-    if kernel is None:
+    if kernel is None and config is None:
+        key = (call_signature(q, kv_c, k_pe, cache_seqlens, block_table, causal, num_splits,
+                              kv_scale, attn_mask, total_splits), fill_empty)  # fmt: skip
+        kernel = _DECODE_KERNELS.lookup(key)
+        if kernel is None:
+            path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
+            kernel = _DECODE_KERNELS.put(
+                key, _DecodeKernel(path, causal, num_splits, total_splits, fill_empty)
+            )
+    elif kernel is None:  # a tiling of the caller's: chosen for this call alone
         path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, config)
         kernel = _DecodeKernel(path, causal, num_splits, total_splits, fill_empty)
     kernel.launch(q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale,
@@ -1226,14 +1235,18 @@ def combine(
     kernel: _CombineKernel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the combine kernel; same contract as ``reference.combine``. kernel: as
-    ``decode``'s."""
+    ``decode``'s (kept here per partials' signature and output dtype when not given)."""
     lead = out_partial.shape[:-2]
     kv_len = out_partial.shape[-1]
     out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
     lse = new_output(tuple(lead), accumulation_dtype(out_partial.dtype), out_partial.device)
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
-    (kernel or _CombineKernel()).launch(out_partial, lse_partial, out, lse)
+    if kernel is None:
+        key = (out_partial.device, _tensor_signature(out_partial),
+               _tensor_signature(lse_partial), out.dtype)  # fmt: skip
+        kernel = _COMBINE_KERNELS.lookup(key) or _COMBINE_KERNELS.put(key, _CombineKernel())
+    kernel.launch(out_partial, lse_partial, out, lse)
     return out, lse
 
 
@@ -1394,6 +1407,9 @@ class _AttentionPlan:
 # this module or ``wgmma_decode`` is rebound, added or removed (``plan_cache.follow``: tests and
 # experiments patch choices and knobs).
 _PLANS = PlanCache()
+# The same for mla::decode's and mla::combine's kernels called as ops on their own.
+_DECODE_KERNELS = PlanCache()
+_COMBINE_KERNELS = PlanCache()
 
 
 def attention(

@@ -180,3 +180,22 @@ def test_signatures_differ_in_what_launches_depend_on(kernels) -> None:
     ]  # fmt: skip
     for variant in variants:
         assert _signature(variant) != base
+
+
+def test_decode_and_combine_ops_keep_their_kernels(kernels) -> None:
+    """``mla::decode`` and ``mla::combine`` called on their own keep their kernels per signature
+    too: calls with new tensors and values match the reference, and one kept kernel serves
+    each op."""
+    case = make_case(5400, dtype=torch.float32, device=DEVICE, num_splits=3, mask="bool")
+    kernels.combine(*kernels.decode(*case.op_args()), case.q.dtype)  # the interpreter's first run
+    kept = []
+    for c in (case, _redrawn(case, 1), _redrawn(case, 2)):
+        out_p, lse_p = kernels.decode(*c.op_args())
+        out, lse = kernels.combine(out_p, lse_p, c.q.dtype)
+        assert_matches(out, lse, *c.reference(), torch.float32, c.describe())
+        combine_key = (out_p.device, kernels._tensor_signature(out_p),
+                       kernels._tensor_signature(lse_p), c.q.dtype)  # fmt: skip
+        kept.append((kernels._DECODE_KERNELS.lookup((_signature(c), True)),
+                     kernels._COMBINE_KERNELS.lookup(combine_key)))  # fmt: skip
+    assert all(k is not None for pair in kept for k in pair)
+    assert all(pair[0] is kept[0][0] and pair[1] is kept[0][1] for pair in kept)
