@@ -12,7 +12,7 @@ LEGACY_VENV := .venv-legacy
 LEGACY_PY := $(LEGACY_VENV)/bin/python
 TRANSFORMERS_LEGACY ?= transformers==5.14.1
 LEGACY_TESTS := tests/fx_passes tests/mla_ops/test_paged_cache.py tests/mla_ops/test_paged_ops.py \
-	tests/mla_ops/test_hf_cache.py
+	tests/mla_ops/test_hf_cache.py tests/mla_ops/test_hf_cache_kwargs.py
 
 .PHONY: demo test test-legacy lint format install clean
 

@@ -53,7 +53,7 @@ from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.
 
 import mla_ops
 from fx_passes.backend import mla
-from mla_ops.hf_cache import MLACache
+from mla_ops.hf_cache import MLACache, cache_kwargs
 
 PROFILED_STEPS = 3  # steps the attention share averages over (after the timed ones)
 VARIANTS = ("hf_eager", "hf_compile", "mla", "mla_graphs")
@@ -131,7 +131,7 @@ def measure(variant: str, model, batch: int, context: int, args) -> dict:
         for i in range(args.warmup + args.steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            logits = step(input_ids=ids, past_key_values=cache, use_cache=True).logits
+            logits = step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache)).logits
             end.record()
             ids = logits[:, -1:].argmax(-1)
             if i >= args.warmup:
@@ -179,7 +179,7 @@ def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof,
     ):
         for _ in range(PROFILED_STEPS):
-            step(input_ids=ids, past_key_values=cache, use_cache=True)
+            step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.device_time for e in events) / PROFILED_STEPS

@@ -23,7 +23,7 @@ from torch._dynamo.utils import counters
 from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.path
 
 from fx_passes.backend import mla
-from mla_ops.hf_cache import LATENT_ATTENTION, MLACache
+from mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs, output_cache
 
 
 def generate(model, ids, new_tokens: int, cache) -> tuple[float, object]:
@@ -31,7 +31,7 @@ def generate(model, ids, new_tokens: int, cache) -> tuple[float, object]:
     start = time.perf_counter()
     out = model.generate(
         ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-        past_key_values=cache, return_dict_in_generate=True, pad_token_id=0,
+        return_dict_in_generate=True, pad_token_id=0, **cache_kwargs(model, cache),
     )  # fmt: skip
     torch.cuda.synchronize()
     return time.perf_counter() - start, out
@@ -45,7 +45,7 @@ def run(model, ids, new_tokens: int, cache_factory, label: str) -> dict:
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     took, out = generate(model, ids, new_tokens, cache_factory())
-    past = out.past_key_values
+    past = output_cache(out)
     tokens = ids.shape[0] * (ids.shape[1] + new_tokens)
     result = dict(
         label=label,

@@ -17,6 +17,8 @@ from bench_e2e import fill, make_cache, step_function  # benchmarks/ is the scri
 from torch._dynamo.utils import counters
 from v2_lite import v2_lite
 
+from mla_ops.hf_cache import cache_kwargs
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--context", type=int, default=8192)
@@ -35,14 +37,16 @@ for variant in args.variants.split(","):
     with torch.no_grad():
         for _ in range(4):
             ids = (
-                step(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
+                .logits[:, -1:]
+                .argmax(-1)
             )
         torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         ) as prof:
-            step(input_ids=ids, past_key_values=cache, use_cache=True)
+            step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
         # Synchronised steps, back-to-back steps, and the host time of one call.
@@ -50,14 +54,14 @@ for variant in args.variants.split(","):
         for _ in range(20):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
             host.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             synced.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
-            out = step(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = step(input_ids=ids, use_cache=True, **cache_kwargs(model, cache))
         torch.cuda.synchronize()
         back_to_back = (time.perf_counter() - t0) / 20
         del out

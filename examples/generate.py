@@ -21,7 +21,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from mla_ops.hf_cache import MLACache
+from mla_ops.hf_cache import MLACache, cache_kwargs, output_cache
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,14 +91,15 @@ def generate(model, batch: dict, args, cache, label: str) -> tuple[torch.Tensor,
     start = time.perf_counter()
     out = model.generate(
         **batch, max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-        do_sample=False, past_key_values=cache, return_dict_in_generate=True,
+        do_sample=False, return_dict_in_generate=True,
         stopping_criteria=transformers.StoppingCriteriaList([progress]),
         pad_token_id=model.generation_config.pad_token_id or 0,
+        **cache_kwargs(model, cache),  # `cache=` from transformers 5.24, `past_key_values=` before
     )  # fmt: skip
     if args.device == "cuda":
         torch.cuda.synchronize()
     progress.bar.close()
-    return out.sequences, time.perf_counter() - start, out.past_key_values
+    return out.sequences, time.perf_counter() - start, output_cache(out)
 
 
 def cache_bytes_per_token(cache, tokens_per_sequence: int, batch: int) -> float:

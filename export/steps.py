@@ -24,13 +24,15 @@ def _dynamic_cache(config, past: CacheTensors = ()):
 
 def _step(model, input_ids, attention_mask, position_ids, past: CacheTensors):
     """Run ``model`` over a ``DynamicCache`` holding ``past``: ``(logits, present)``."""
+    from mla_ops.hf_cache import cache_kwargs  # imports transformers: needed only here
+
     cache = _dynamic_cache(model.config, past)
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
         position_ids=position_ids,
-        past_key_values=cache,
         use_cache=True,
+        **cache_kwargs(model, cache),
     )
     return out.logits, tuple((layer.keys, layer.values) for layer in cache.layers)
 

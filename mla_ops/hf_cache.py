@@ -4,7 +4,11 @@ One ``[kv_c | k_pe]`` row per token per layer in a ``PagedLatentCache`` (the lay
 ``mla_decode`` reads):
 
     cache = MLACache(model.config, max_length=4096, static=True)
-    model.generate(input_ids, past_key_values=cache, max_new_tokens=...)
+    model.generate(input_ids, **cache_kwargs(model, cache), max_new_tokens=...)
+
+transformers 5.24 renamed the cache argument of ``forward`` and ``generate`` from
+``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40): ``cache_kwargs(model,
+cache)`` passes the cache by the name a model takes, ``output_cache(output)`` reads it back.
 
 transformers >= 5.15: the MLA attention calls ``update(kv_c [B, 1, S, L], k_pe [B, 1, S, R])``;
 the cache stores the rows and returns the latents (growing mode: ``T`` = the length; static mode:
@@ -25,7 +29,9 @@ compiles once (and can run as a CUDA graph).
 
 from __future__ import annotations
 
+import inspect
 import warnings
+from typing import Any
 
 import torch
 import transformers
@@ -43,6 +49,29 @@ def transformers_version() -> tuple[int, int]:
 
 
 LATENT_ATTENTION = transformers_version() >= MIN_TRANSFORMERS
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
+    """``cache`` under the keyword ``model``'s ``forward`` (and so ``generate``) takes it by:
+    ``{"cache": cache}`` where its signature has ``cache`` (transformers >= 5.24, which deprecates
+    ``past_key_values`` and drops it in 5.40), else ``{"past_key_values": cache}`` (older
+    releases, and remote code written for them).
+
+    ``model.generate(ids, **cache_kwargs(model, cache))`` runs without the deprecation warning on
+    every release. A compiled model (``torch.compile``) is read through its ``_orig_mod``."""
+    module = getattr(model, "_orig_mod", model)
+    forward = getattr(module, "forward", None)
+    if forward is None:
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def output_cache(output: Any) -> Cache | None:
+    """The cache a Hugging Face model or ``generate`` output holds: its ``cache`` field
+    (transformers >= 5.24, where reading ``past_key_values`` warns) or ``past_key_values``."""
+    fields = getattr(type(output), "__dataclass_fields__", {})
+    return output.cache if "cache" in fields else output.past_key_values
 
 
 class _SharedStore:
@@ -260,7 +289,8 @@ class MLACacheLayer(CacheLayerMixin):
 
 
 class MLACache(Cache):
-    """Paged latent cache for MLA models: ``generate(..., past_key_values=MLACache(config))``.
+    """Paged latent cache for MLA models: ``generate(..., cache=MLACache(config))``
+    (``past_key_values=`` before transformers 5.24; ``cache_kwargs`` picks the name).
 
     Args:
         config: the model's config (``num_hidden_layers`` is read from it).

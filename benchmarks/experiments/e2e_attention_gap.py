@@ -54,7 +54,7 @@ def recorded_call(model, batch: int, context: int) -> tuple:
     tk.attention = spy
     try:
         with torch.no_grad():
-            step(input_ids=ids, past_key_values=cache, use_cache=True)
+            step(input_ids=ids, use_cache=True, **be.cache_kwargs(model, cache))
     finally:
         tk.attention = original
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+from mla_ops.hf_cache import cache_kwargs, output_cache
 from tests.fx_passes.tiny_models import (
     FAMILIES,
     attention_layers,
@@ -36,10 +37,14 @@ def decode_step_logits(model, exact, ids, mask):
         out = exact(ids, attention_mask=mask, use_cache=True)
         next_ids = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-        cache_copy = copy.deepcopy(out.past_key_values)
-        want = exact(next_ids, attention_mask=mask, past_key_values=out.past_key_values).logits
-        original = model(next_ids, attention_mask=mask, past_key_values=copy.deepcopy(cache_copy))
-        got = rewritten(model)(next_ids, attention_mask=mask, past_key_values=cache_copy).logits
+        cache_copy = copy.deepcopy(output_cache(out))
+        want = exact(next_ids, attention_mask=mask, **cache_kwargs(model, output_cache(out))).logits
+        original = model(
+            next_ids, attention_mask=mask, **cache_kwargs(model, copy.deepcopy(cache_copy))
+        )
+        got = rewritten(model)(
+            next_ids, attention_mask=mask, **cache_kwargs(model, cache_copy)
+        ).logits
     return got, want, original.logits
 
 
@@ -85,13 +90,15 @@ def test_decode_step_low_precision(dtype: torch.dtype, tolerance: float | None) 
         next_ids = out.logits[:, -1:].argmax(-1)
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         # float64 truth from the low-precision prefill's cache, so only the decode step differs
-        cache64 = copy.deepcopy(out.past_key_values)
+        cache64 = copy.deepcopy(output_cache(out))
         for layer in cache64.layers:
             layer.keys, layer.values = layer.keys.double(), layer.values.double()
-        want = exact(next_ids, attention_mask=mask, past_key_values=cache64).logits
-        original = model(next_ids, attention_mask=mask,
-                         past_key_values=copy.deepcopy(out.past_key_values)).logits  # fmt: skip
-        got = rewritten(model)(next_ids, attention_mask=mask, past_key_values=out.past_key_values)
+        want = exact(next_ids, attention_mask=mask, **cache_kwargs(model, cache64)).logits
+        past = copy.deepcopy(output_cache(out))
+        original = model(next_ids, attention_mask=mask, **cache_kwargs(model, past)).logits
+        got = rewritten(model)(
+            next_ids, attention_mask=mask, **cache_kwargs(model, output_cache(out))
+        )
     error = relative_error(got.logits.double(), want)
     if tolerance is None:
         tolerance = relative_error(original.double(), want) + 2.0**-6

@@ -45,7 +45,7 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     args = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     want = exact.generate(ids, **args, return_dict_in_generate=True)
     cache = latent_cache(model)
-    got = rewritten(model).generate(ids, **args, past_key_values=cache)
+    got = rewritten(model).generate(ids, **args, **hf_cache.cache_kwargs(model, cache))
     assert torch.equal(got, want.sequences)
     layers = attention_layers(model)
     rewritten_graphs = 1 if attn == "sdpa" else 2  # eager: the short prefill is rewritten too
@@ -59,7 +59,7 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     latent_row = (config.kv_lora_rank + config.qk_rope_head_dim) * 8  # float64
     assert cache.bytes_per_token() == layers * latent_row
     assert cache.paged.pools[0].nbytes == cache.paged.num_pages * cache.paged.page_size * latent_row
-    default = want.past_key_values
+    default = hf_cache.output_cache(want)
     tokens = got.shape[0] * default.get_seq_length()
     default_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in default.layers)
     expanded_row = (
@@ -88,7 +88,7 @@ def test_decode_graph_has_no_gather_and_no_expansion() -> None:
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend=keep, fullgraph=True)
     model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                   past_key_values=latent_cache(model))  # fmt: skip
+                   **hf_cache.cache_kwargs(model, latent_cache(model)))  # fmt: skip
     decode_gm, report = graphs[-1]
     assert report.rewritten == attention_layers(model)
     assert all(s.reason.endswith("cache=paged") for s in report.sites if s.status == "rewritten")
@@ -113,9 +113,9 @@ def test_sampling_and_beam_search() -> None:
     model = rewritten(model)
     torch.manual_seed(7)
     sampled = model.generate(ids, **common, do_sample=True, top_k=20,
-                             past_key_values=latent_cache(model))  # fmt: skip
+                             **hf_cache.cache_kwargs(model, latent_cache(model)))  # fmt: skip
     beams = model.generate(ids, **common, do_sample=False, num_beams=3,
-                           past_key_values=latent_cache(model))  # fmt: skip
+                           **hf_cache.cache_kwargs(model, latent_cache(model)))  # fmt: skip
     assert torch.equal(sampled, want_sampled)
     assert torch.equal(beams, want_beams)
 
@@ -126,7 +126,9 @@ def test_inductor_backend_over_latent_cache() -> None:
     ids, mask = left_padded_batch((5, 10), seed=8)
     args = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     want = model.generate(ids, **args)
-    got = rewritten(model, backend="mla").generate(ids, **args, past_key_values=latent_cache(model))
+    got = rewritten(model, backend="mla").generate(
+        ids, **args, **hf_cache.cache_kwargs(model, latent_cache(model))
+    )
     assert counters["mla"]["paged_sites"] == attention_layers(model)
     assert torch.equal(got, want)
 
@@ -136,5 +138,5 @@ def test_growing_cache_refuses_compile() -> None:
     ids, mask = left_padded_batch((3, 4), seed=9)
     cache = hf_cache.MLACache(model.config, max_length=32, page_size=4, static=False)
     with pytest.raises(Exception, match=r"static=True"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache,
-                       pad_token_id=0)  # fmt: skip
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                       **hf_cache.cache_kwargs(model, cache))  # fmt: skip

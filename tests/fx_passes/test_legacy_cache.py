@@ -18,7 +18,7 @@ from tests.fx_passes.tiny_models import (
 if LATENT_ATTENTION:
     pytest.skip("transformers >= 5.15 caches latents itself", allow_module_level=True)
 
-from mla_ops.hf_cache import MLACache
+from mla_ops.hf_cache import MLACache, cache_kwargs
 
 
 def test_unrewritten_model_keeps_expanded_kv_and_says_so() -> None:
@@ -30,7 +30,7 @@ def test_unrewritten_model_keeps_expanded_kv_and_says_so() -> None:
     want = model.generate(ids, **args)
     cache = MLACache(model.config, max_length=64, page_size=4, static=False)
     with pytest.warns(UserWarning, match=r"expanded per-head K/V.*backend='mla'"):
-        got = model.generate(ids, **args, past_key_values=cache)
+        got = model.generate(ids, **args, **cache_kwargs(model, cache))
     assert torch.equal(got, want)
     config = model.config
     per_head = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
@@ -44,7 +44,7 @@ def test_static_cache_needs_the_rewrite() -> None:
     ids, mask = left_padded_batch((3, 4), seed=2)
     cache = MLACache(model.config, max_length=32, page_size=4, static=True)
     with pytest.raises(RuntimeError, match=r"torch\.compile\(model\.forward, backend='mla'\)"):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, past_key_values=cache,
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, **cache_kwargs(model, cache),
                        pad_token_id=0)  # fmt: skip
 
 
@@ -56,7 +56,7 @@ def test_mixing_expanded_and_latent_steps_is_refused() -> None:
     ids, mask = left_padded_batch((3, 4), seed=3)
     cache = MLACache(model.config, max_length=32, page_size=4, static=False)
     with pytest.warns(UserWarning):
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kwargs(model, cache))
     layer = cache.layers[0]
     with pytest.raises(RuntimeError, match="holds expanded rows and was handed latent ones"):
         layer._set_mode("latent")
@@ -64,4 +64,4 @@ def test_mixing_expanded_and_latent_steps_is_refused() -> None:
     next_ids = torch.ones(2, 1, dtype=torch.long)
     mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
     with pytest.raises(Exception, match=r"static=True"):
-        compiled(next_ids, attention_mask=mask, past_key_values=cache)
+        compiled(next_ids, attention_mask=mask, **cache_kwargs(model, cache))

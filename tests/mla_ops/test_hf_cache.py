@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from mla_ops.hf_cache import LATENT_ATTENTION, MLACache
+from mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs
 
 if not LATENT_ATTENTION:  # the latent path of older releases: tests/fx_passes/test_legacy_cache.py
     pytest.skip("unrewritten latent caching needs transformers >= 5.15", allow_module_level=True)
@@ -49,7 +49,7 @@ def left_padded_batch():
 
 def generate(model, cache=None, **kw):
     torch.manual_seed(123)  # for sampling
-    return model.generate(**left_padded_batch(), past_key_values=cache, **kw)
+    return model.generate(**left_padded_batch(), **cache_kwargs(model, cache), **kw)
 
 
 @pytest.mark.parametrize(("page_size", "static"), [(1, False), (4, False), (64, True), (3, True)])
@@ -81,7 +81,7 @@ def test_prompt_lookup_decoding_crops(model) -> None:
     batch = {k: v[:1] if torch.is_tensor(v) else v for k, v in batch.items()}  # batch size 1
     reference = model.generate(**batch, **kw)
     cache = MLACache(model.config, max_length=64, page_size=4)
-    assert torch.equal(model.generate(**batch, past_key_values=cache, **kw), reference)
+    assert torch.equal(model.generate(**batch, **cache_kwargs(model, cache), **kw), reference)
 
 
 def test_reset_between_generations(model) -> None:
@@ -130,13 +130,13 @@ def test_batch_selection_and_repeat(model, static: bool) -> None:
             MLACache(model.config, max_length=64, page_size=4, static=static, num_pages=512),
         ):
             with torch.no_grad():
-                out = model(ids, attention_mask=mask, past_key_values=past)
+                out = model(ids, attention_mask=mask, **cache_kwargs(model, past))
                 past.batch_select_indices(torch.tensor([2, 0]))
                 if change == "repeat":
                     past.batch_repeat_interleave(2)
                 next_ids = out.logits[rows, -1:].argmax(-1)
                 step_mask = torch.cat([mask[rows], torch.ones(len(rows), 1, dtype=mask.dtype)], 1)
                 logits.append(
-                    model(next_ids, attention_mask=step_mask, past_key_values=past).logits
+                    model(next_ids, attention_mask=step_mask, **cache_kwargs(model, past)).logits
                 )
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-10, atol=1e-10)
