@@ -314,6 +314,14 @@ class MLACache(Cache):
             raise ValueError(
                 f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
             )
+        if getattr(text, "index_topk", None) is not None:
+            # DeepSeek Sparse Attention caches its indexer's keys beside the latents
+            # (transformers' DynamicIndexedLayer); this cache has no place for them.
+            raise NotImplementedError(
+                f"MLACache does not store the sparse-attention indexer's keys that "
+                f"{type(config).__name__} (index_topk={text.index_topk}) caches per layer; use "
+                "the model's default cache, which torch.compile(backend='mla') rewrites too"
+            )
         self.store = _SharedStore(
             text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages
         )

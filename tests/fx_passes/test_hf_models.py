@@ -124,6 +124,21 @@ def test_greedy_generate_float64(family: str, attn: str) -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(
+    not hasattr(transformers, "HYV4Config"), reason="hy_v4 needs transformers >= 5.23"
+)
+def test_attention_with_sinks_is_left_as_it_is() -> None:
+    """hy_v4's MLA attention has a learned sink logit per head in its softmax, which mla_decode
+    does not compute: no site is rewritten, and generate gives the original's tokens."""
+    model = tiny_model("hy_v4", attn="eager")
+    ids, mask = left_padded_batch((3, 8), seed=2)
+    args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **args)
+    got = rewritten(model).generate(ids, **args)
+    assert counters["mla"]["absorbed_sites"] == 0
+    assert torch.equal(got, want)
+
+
 def test_no_mla_model_is_untouched() -> None:
     model = llama_model()
     ids, mask = left_padded_batch((6, 4))

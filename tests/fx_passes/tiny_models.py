@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -71,7 +73,31 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
             q_lora_rank=q_lora_rank, layer_types=["full_attention", "full_attention"],
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
+    if family in DEEPSEEK_LIKE:
+        config_class = {**CONFIG_CLASSES, **NOT_REWRITTEN}[family]
+        return _deepseek_like(getattr(transformers, config_class), q_lora_rank, rope)
     raise ValueError(f"unknown family {family!r}")
+
+
+# Families whose configs take DeepSeek-V3's argument names; each is given those its config
+# declares. The DeepSeek Sparse Attention ones (deepseek_v32, glm_moe_dsa, axk2) keep 4 keys per
+# query (``index_topk``), so their indexer's mask hides keys in every test that has more.
+DEEPSEEK_LIKE = ("axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "youtu", "hy_v4")
+SPARSE_ATTENTION = ("axk2", "deepseek_v32", "glm_moe_dsa")
+SPARSE_TOP_K = 4
+
+
+def _deepseek_like(config_class, q_lora_rank: int | None, rope: dict):
+    wanted = dict(
+        **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2, first_k_dense_replace=1,
+        n_group=2, topk_group=1, q_lora_rank=q_lora_rank, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, index_topk=SPARSE_TOP_K, index_head_dim=16, index_n_heads=2,
+    )  # fmt: skip
+    if dataclasses.is_dataclass(config_class):
+        fields = {f.name for f in dataclasses.fields(config_class)}
+    else:  # configs before transformers' dataclass ones
+        fields = set(inspect.signature(config_class.__init__).parameters)
+    return config_class(**{k: v for k, v in wanted.items() if k in fields})
 
 
 CONFIG_CLASSES = {
@@ -82,7 +108,16 @@ CONFIG_CLASSES = {
     "longcat_flash": "LongcatFlashConfig",
     "mistral4": "Mistral4Config",
     "kimi_linear": "KimiLinearConfig",  # no RoPE on its MLA layers
+    "axk1": "AXK1Config",
+    "axk2": "AXK2Config",  # DeepSeek Sparse Attention (an indexer's top-k as a mask)
+    "deepseek_v32": "DeepseekV32Config",  # DeepSeek Sparse Attention
+    "glm_moe_dsa": "GlmMoeDsaConfig",  # DeepSeek Sparse Attention
+    "sarvam_mla": "SarvamMLAConfig",  # runs as DeepseekV3ForCausalLM
+    "youtu": "YoutuConfig",  # dense MLP
 }
+# MLA families whose attention the rewrite leaves as it is: hy_v4 adds a learned sink logit per
+# head to the softmax (eager attention only), which mla_decode does not compute.
+NOT_REWRITTEN = {"hy_v4": "HYV4Config"}
 # The tested families this transformers release has (kimi_linear arrived after 5.14).
 FAMILIES = [f for f, config in CONFIG_CLASSES.items() if hasattr(transformers, config)]
 LATENT_ATTENTION = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 15)
@@ -104,15 +139,14 @@ def tiny_model(
     """A tiny random ``*ForCausalLM`` of ``family`` in eval mode."""
     config = _config(family, q_lora_rank, yarn)
     torch.manual_seed(seed)
+    kwargs = dict(dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm")
     model_class = getattr(
         transformers, type(config).__name__.replace("Config", "ForCausalLM"), None
     )
-    if model_class is None:
-        raise ValueError(f"no *ForCausalLM class for {type(config).__name__}")
-    model = model_class._from_config(
-        config, dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm"
-    )
-    return model.eval()
+    if model_class is not None:  # mistral4 has no AutoModelForCausalLM entry
+        return model_class._from_config(config, **kwargs).eval()
+    # sarvam_mla runs as DeepseekV3ForCausalLM
+    return transformers.AutoModelForCausalLM.from_config(config, **kwargs).eval()
 
 
 def left_padded_batch(lengths: tuple[int, ...], seed: int = 0, vocab: int = 128):
