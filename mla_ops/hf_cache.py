@@ -314,6 +314,16 @@ class MLACache(Cache):
             raise ValueError(
                 f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
             )
+        other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
+        if other_layers and getattr(text, "index_topk", None) is None:
+            # Hybrid models (Kimi Linear, Bailing hybrid) keep recurrent states for their linear
+            # attention layers in transformers' own cache layers, which this cache does not make.
+            raise NotImplementedError(
+                f"MLACache holds MLA latents only; {type(config).__name__} also has "
+                f"{', '.join(other_layers)} layers (config.layer_types), whose states it does "
+                "not keep; use the model's default cache, which torch.compile(backend='mla') "
+                "rewrites too"
+            )
         if getattr(text, "index_topk", None) is not None:
             # DeepSeek Sparse Attention caches its indexer's keys beside the latents
             # (transformers' DynamicIndexedLayer); this cache has no place for them.

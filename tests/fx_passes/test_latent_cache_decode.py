@@ -16,6 +16,7 @@ from tests.fx_passes.tiny_models import (
     FAMILIES,
     FULLGRAPH,
     LATENT_ATTENTION,
+    NOT_FOR_MLA_CACHE,
     SPARSE_ATTENTION,
     attention_layers,
     left_padded_batch,
@@ -31,8 +32,9 @@ def latent_cache(model, page_size: int = 4, max_length: int = 64):
     return hf_cache.MLACache(model.config, max_length=max_length, page_size=page_size, static=True)
 
 
-# Sparse-attention families cache their indexer's keys too, which MLACache refuses (below).
-CASES = [(family, "sdpa") for family in FAMILIES if family not in SPARSE_ATTENTION]
+# Sparse-attention families cache their indexer's keys too, and hybrid ones linear-attention
+# states: MLACache refuses both (below).
+CASES = [(family, "sdpa") for family in FAMILIES if family not in NOT_FOR_MLA_CACHE]
 CASES += [("deepseek_v3", "eager")]
 
 
@@ -152,3 +154,17 @@ def test_sparse_attention_models_are_refused_by_name(family: str) -> None:
     model = tiny_model(family)
     with pytest.raises(NotImplementedError, match=r"indexer's keys.*index_topk=4.*default cache"):
         latent_cache(model)
+
+
+@pytest.mark.skipif(
+    "kimi_linear" not in FAMILIES, reason="kimi_linear came after transformers 5.14"
+)
+def test_hybrid_linear_attention_models_are_refused_by_name() -> None:
+    """Kimi Linear as released mixes linear-attention layers (recurrent states) with MLA layers:
+    MLACache keeps latents only and says so, instead of transformers' "Cannot get conv state"."""
+    config = tiny_model("kimi_linear").config
+    config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(
+        NotImplementedError, match=r"also has linear_attention layers.*default cache"
+    ):
+        hf_cache.MLACache(config, max_length=16)

@@ -73,6 +73,13 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
             q_lora_rank=q_lora_rank, layer_types=["full_attention", "full_attention"],
             pad_token_id=0, bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
+    if family == "bailing_hybrid":  # one linear-attention layer, then one MLA layer
+        return transformers.BailingHybridConfig(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=2, head_dim=16,
+            layer_types=["linear_attention", "full_attention"], num_local_experts=8, n_group=2,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
     if family in DEEPSEEK_LIKE:
         config_class = {**CONFIG_CLASSES, **NOT_REWRITTEN}[family]
         return _deepseek_like(getattr(transformers, config_class), q_lora_rank, rope)
@@ -84,6 +91,8 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
 # query (``index_topk``), so their indexer's mask hides keys in every test that has more.
 DEEPSEEK_LIKE = ("axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "youtu", "hy_v4")
 SPARSE_ATTENTION = ("axk2", "deepseek_v32", "glm_moe_dsa")
+# Families with layers whose state MLACache does not keep: it refuses them by name.
+NOT_FOR_MLA_CACHE = (*SPARSE_ATTENTION, "bailing_hybrid")
 SPARSE_TOP_K = 4
 
 
@@ -114,6 +123,7 @@ CONFIG_CLASSES = {
     "glm_moe_dsa": "GlmMoeDsaConfig",  # DeepSeek Sparse Attention
     "sarvam_mla": "SarvamMLAConfig",  # runs as DeepseekV3ForCausalLM
     "youtu": "YoutuConfig",  # dense MLP
+    "bailing_hybrid": "BailingHybridConfig",  # linear-attention layers between the MLA ones
 }
 # MLA families whose attention the rewrite leaves as it is: hy_v4 adds a learned sink logit per
 # head to the softmax (eager attention only), which mla_decode does not compute.
