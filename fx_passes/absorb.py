@@ -52,6 +52,7 @@ def absorbed_mla_attention(
     softmax_scale: float,
     nope_dim: int,
     v_dim: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLA attention in the absorbed form; the drop-in replacement of a matched site.
 
@@ -62,6 +63,8 @@ def absorbed_mla_attention(
         kv_b_weight: ``kv_b_proj.weight`` ``[H*(P+V), L]``; W_UK and W_UV are views of it, so a
             weight update is always seen.
         attn_mask: ``[B|1, 1, S|1, T]`` bool (True = visible) or additive float, or None.
+        sink: ``[B, H, S|1, 1]`` a logit per head that the original's softmax took beside the
+            scores and then dropped (attention sinks), or None.
 
     Returns:
         ``[B, H, S, V]``, the attention output the original computed.
@@ -72,7 +75,7 @@ def absorbed_mla_attention(
     cache_seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=query.device)
     return _absorbed(
         query, (kv_c, k_pe), cache_seqlens, None, kv_b_weight, attn_mask, softmax_scale, nope_dim,
-        v_dim,
+        v_dim, sink,
     )  # fmt: skip
 
 
@@ -86,6 +89,7 @@ def absorbed_mla_attention_paged(
     softmax_scale: float,
     nope_dim: int,
     v_dim: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same over a paged latent cache, read in place (no gather of the rows).
 
@@ -99,7 +103,7 @@ def absorbed_mla_attention_paged(
     kv_cache = (pool[..., :kv_lora_rank], pool[..., kv_lora_rank:])
     return _absorbed(
         query, kv_cache, cache_seqlens, block_table, kv_b_weight, attn_mask, softmax_scale,
-        nope_dim, v_dim,
+        nope_dim, v_dim, sink,
     )  # fmt: skip
 
 
@@ -113,6 +117,7 @@ def _absorbed(
     softmax_scale: float,
     nope_dim: int,
     v_dim: int,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     batch, heads, q_len, _ = query.shape
     kv_lora_rank = kv_b_weight.shape[-1]
@@ -123,7 +128,7 @@ def _absorbed(
     mask = None
     if attn_mask is not None:
         mask = attn_mask[:, 0].expand(batch, q_len, attn_mask.shape[-1])  # [B, S, T_m]
-    out_lat, _ = mla_decode(
+    out_lat, lse = mla_decode(
         q_abs,
         kv_cache,
         cache_seqlens,
@@ -132,7 +137,13 @@ def _absorbed(
         softmax_scale=softmax_scale,
         causal=False,  # the original's visibility is all in attn_mask
         attn_mask=mask,
-    )  # [B, S, H, L]
+    )  # [B, S, H, L], lse [B, S, H]
+    if sink is not None:
+        # softmax([scores, sink]) gives the tokens exp(lse) / (exp(lse) + exp(sink)) of the
+        # weight: sigmoid(lse - sink). A row with no visible key (lse = -inf) keeps none.
+        sink_bsh = sink[..., 0].transpose(1, 2).to(lse.dtype)  # [B, S|1, H]
+        kept = torch.sigmoid(lse - sink_bsh).unsqueeze(-1)  # [B, S, H, 1]
+        out_lat = (out_lat.to(lse.dtype) * kept).to(out_lat.dtype)
     return torch.einsum("bshl,hvl->bhsv", out_lat, w_uv)
 
 
@@ -306,6 +317,8 @@ def _rewrite(gm: GraphModule, site: MLASite) -> str:
     """Replace the site; returns how the latent is read ("paged" or "dense")."""
     graph = gm.graph
     kwargs = dict(softmax_scale=site.softmax_scale, nope_dim=site.nope_dim, v_dim=site.v_dim)
+    if site.sink is not None:
+        kwargs["sink"] = site.sink
     paged = paged_source(site.latent, site.k_rot, site.weight)
     if paged is not None:
         pool, block_table, cache_seqlens = paged
@@ -368,7 +381,8 @@ def _view_chain(node: Node) -> set[Node]:
 def _record_fake_value(new: Node, function, args: tuple, kwargs: dict) -> None:
     """Give the new node the fake value later passes read (``val`` or ``example_value``)."""
     values = [meta_value(a) if isinstance(a, Node) else a for a in args]
-    if any(v is None for v in values[:-1]):
+    kwargs = {k: meta_value(v) if isinstance(v, Node) else v for k, v in kwargs.items()}
+    if any(v is None for v in values[:-1]) or any(v is None for v in kwargs.values()):
         return
     fake_mode = torch._guards.detect_fake_mode([v for v in values if v is not None])
     if fake_mode is None:

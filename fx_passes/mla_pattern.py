@@ -10,6 +10,10 @@ keys and values both come from one ``kv_b_proj`` linear over the latent::
                                                                  # or 2 slice assignments
     out  = attention(query [B, H, S, P+R], key, value, mask, scale)   # [B, H, S, V]
 
+Eager attention may also take a learned sink logit per head into its softmax (hy_v4:
+``softmax(cat([scores, sink]))[..., :-1]``, with or without the max subtracted first); the
+absorbed form then scales each row by ``sigmoid(lse - sink)``, the weight its tokens keep.
+
 Nothing is matched by module or class name, so every Hugging Face MLA family (and the same math
 written by hand) is found. ``match_site`` returns an ``MLASite`` or raises ``NotMLA`` (ordinary
 attention: ignored) or ``SkipSite`` (MLA that cannot be rewritten safely, with the reason).
@@ -61,12 +65,14 @@ class MLASite:
     q_len: object  # S (int, or a SymInt in a dynamic graph)
     form: str  # "sdpa" or "eager"
     internal: list[Node] = field(default_factory=list)  # nodes that die with the rewrite
+    sink: Node | None = None  # [B, H, S, 1] a sink logit per head in the softmax (eager only)
 
     def describe(self) -> str:
         return (
             f"{self.form} attention '{self.attention.name}': H={self.heads} L={self.kv_lora_rank} "
             f"R={self.rope_dim} P={self.nope_dim} V={self.v_dim} S_q={self.q_len} "
             f"scale={self.softmax_scale:.6g} mask={'yes' if self.attn_mask is not None else 'no'}"
+            + (" sink=yes" if self.sink is not None else "")
         )
 
 
@@ -88,13 +94,72 @@ def _strip(node: Node, internal: list[Node]) -> Node:
     return node
 
 
-def _parse_eager(softmax: Node) -> tuple[Node, Node, Node, Node | None, float, Node, list[Node]]:
-    """``(query, key, value, mask, scale, output, internal)`` of eager attention around softmax."""
+def _strip_sink(logits: Node, internal: list[Node]) -> tuple[Node, Node | None]:
+    """``(scores, sink)`` of softmax logits ``[cat([scores, sink], -1) [- their max]]``: the
+    max subtracted for stability changes no probability (it is stripped with or without a
+    sink), and ``sink`` ``[B, H, S, 1]`` is a logit per head that only takes weight away from
+    the tokens; ``sink`` is None where there is none."""
+    node = logits
+    if kind(node) == "sub" and len(node.args) == 2:
+        shifted, peak = node.args
+        if kind(peak) == "getitem" and peak.args[1] == 0:
+            peak = peak.args[0]
+        last = normalize_dim(named_arg(peak, "dim", None), 4) if kind(peak) == "max" else None
+        if last == 3 and named_arg(peak, "keepdim", False) and named_arg(peak, "input") is shifted:
+            internal += [node, peak] + [u for u in peak.users if kind(u) == "getitem"]
+            node = shifted
+    if kind(node) != "cat" or normalize_dim(named_arg(node, "dim", 0), 4) != 3:
+        return node, None
+    parts = named_arg(node, "tensors")
+    if not isinstance(parts, (list, tuple)) or len(parts) != 2:
+        return node, None
+    scores, sink = parts
+    sink_shape = shape(sink)
+    if sink_shape is None or len(sink_shape) != 4 or sink_shape[-1] != 1:
+        return node, None
+    internal.append(node)
+    return scores, sink
+
+
+def _drops_last_column(node: Node) -> bool:
+    """``node`` is ``probs[..., :-1]`` (the sink's column dropped)."""
+    if kind(node) == "getitem":
+        index = node.args[1]
+        return (
+            isinstance(index, tuple)
+            and len(index) == 2
+            and index[0] is Ellipsis
+            and index[1] == slice(None, -1, None)
+        )
+    if kind(node) == "slice":
+        width = (shape(named_arg(node, "input")) or (None,))[-1]
+        end = named_arg(node, "end", None)
+        return (
+            normalize_dim(named_arg(node, "dim", 0), 4) == 3
+            and named_arg(node, "start", 0) in (0, None)
+            and (end == -1 or (width is not None and end == width - 1))
+            and named_arg(node, "step", 1) in (1, None)
+        )
+    return False
+
+
+def _parse_eager(
+    softmax: Node,
+) -> tuple[Node, Node, Node, Node | None, float, Node, list[Node], Node | None]:
+    """``(query, key, value, mask, scale, output, internal, sink)`` of eager attention around
+    softmax."""
     internal = [softmax]
     if normalize_dim(named_arg(softmax, "dim", None), 4) != 3:
         raise NotMLA("softmax is not over the last dimension of a 4-D tensor")
-    # Forward: [to(dtype)] -> [dropout(p=0)] -> matmul(probs, value)
+    logits, sink = _strip_sink(named_arg(softmax, "input"), internal)
+    # Forward: [probs[..., :-1] with a sink] -> [to(dtype)] -> [dropout(p=0)] -> matmul(probs, v)
     node = softmax
+    if sink is not None:
+        user = _single_user(node)
+        if user is None or not _drops_last_column(user):
+            raise NotMLA("softmax over a sink column is not followed by dropping that column")
+        internal.append(user)
+        node = user
     while True:
         user = _single_user(node)
         if user is None:
@@ -116,7 +181,7 @@ def _parse_eager(softmax: Node) -> tuple[Node, Node, Node, Node | None, float, N
         raise NotMLA("softmax does not feed a matmul with the values")
     output, value = user, user.args[1]
     # Backward: [add(mask)] <- mul/div(scale) <- matmul(query, key^T)
-    scores = named_arg(softmax, "input")
+    scores = logits
     mask = None
     if kind(scores) == "add":
         internal.append(scores)
@@ -143,7 +208,7 @@ def _parse_eager(softmax: Node) -> tuple[Node, Node, Node, Node | None, float, N
         raise NotMLA("key is not transposed over its last two dimensions")
     internal.append(key_t)
     internal.append(output)
-    return query, key_t.args[0], value, mask, scale, output, internal
+    return query, key_t.args[0], value, mask, scale, output, internal, sink
 
 
 def _parse_sdpa(sdpa: Node) -> tuple[Node, Node, Node, Node | None, float | None, Node, list]:
@@ -287,12 +352,13 @@ def match_kv(key: Node, value: Node, internal: list[Node]) -> KVSource:
 
 def match_site(candidate: Node) -> MLASite:
     """The MLA site at an SDPA or softmax node; raises ``NotMLA`` or ``SkipSite``."""
+    sink = None
     if kind(candidate) == "sdpa":
         form = "sdpa"
         query, key, value, mask, scale, output, internal = _parse_sdpa(candidate)
     else:
         form = "eager"
-        query, key, value, mask, scale, output, internal = _parse_eager(candidate)
+        query, key, value, mask, scale, output, internal, sink = _parse_eager(candidate)
     kv = match_kv(key, value, internal)
     latent, weight, heads, k_rot = kv.latent, kv.weight, kv.heads, kv.k_rot
     nope_dim, rope_dim, v_dim = kv.nope_dim, kv.rope_dim, kv.v_dim
@@ -316,6 +382,10 @@ def match_site(candidate: Node) -> MLASite:
         m_shape = shape(mask)
         if m_shape is None or len(m_shape) != 4 or (m_shape[1] != 1 and heads != 1):
             raise SkipSite(f"mask {m_shape} is not [B, 1, S, T] (one mask shared by the heads)")
+    if sink is not None:
+        sink_shape = shape(sink)
+        if sink_shape[1] != heads or sink_shape[2] not in (1, q_shape[2]):
+            raise SkipSite(f"sink logits {sink_shape} are not [B, H={heads}, S, 1]")
     if scale is None:
         scale = (nope_dim + rope_dim) ** -0.5
     site = MLASite(
@@ -334,6 +404,7 @@ def match_site(candidate: Node) -> MLASite:
         q_len=q_shape[2],
         form=form,
         internal=list(dict.fromkeys(internal)),
+        sink=sink,
     )
     # export's metadata assertions on intermediates die with them
     site.internal += [u for n in site.internal for u in n.users if kind(u) == "assert_meta"]
@@ -349,7 +420,9 @@ def _check_private(site: MLASite) -> None:
             continue
         for user in node.users:
             if user not in inside:
-                if kind(node) in ("softmax", "matmul", "mul", "div", "add", "to", "dropout"):
+                if kind(node) in (
+                    "softmax", "matmul", "mul", "div", "add", "to", "dropout", "sub", "max", "cat"
+                ):  # fmt: skip
                     what = "attention weights"
                 else:
                     what = "kv_b_proj output"

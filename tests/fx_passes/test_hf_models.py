@@ -127,16 +127,25 @@ def test_greedy_generate_float64(family: str, attn: str) -> None:
 @pytest.mark.skipif(
     not hasattr(transformers, "HYV4Config"), reason="hy_v4 needs transformers >= 5.23"
 )
-def test_attention_with_sinks_is_left_as_it_is() -> None:
-    """hy_v4's MLA attention has a learned sink logit per head in its softmax, which mla_decode
-    does not compute: no site is rewritten, and generate gives the original's tokens."""
+def test_attention_sinks_float64() -> None:
+    """hy_v4's softmax takes a learned sink logit per head beside the scores (eager attention
+    only; its max subtracted first): the rewritten decode step scales each row by
+    sigmoid(lse - sink), within 1e-10 of the original, and greedy generate gives its tokens."""
     model = tiny_model("hy_v4", attn="eager")
-    ids, mask = left_padded_batch((3, 8), seed=2)
-    args = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    want = model.generate(ids, **args)
-    got = rewritten(model).generate(ids, **args)
-    assert counters["mla"]["absorbed_sites"] == 0
-    assert torch.equal(got, want)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("sinks"):  # 0 at init: random, so that the sinks take weight
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    ids, mask = left_padded_batch((4, 8), seed=2)
+    args = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    want_tokens = model.generate(ids, **args)
+    got, want, _ = decode_step_logits(model, model, ids, mask)
+    assert counters["mla"]["absorbed_sites"] == attention_layers(model)
+    assert relative_error(got, want) <= 1e-10
+    got_tokens = model.generate(ids, **args)  # the forward is compiled now
+    assert counters["mla"]["absorbed_sites"] >= 2 * attention_layers(model)
+    assert torch.equal(got_tokens, want_tokens)
 
 
 def test_no_mla_model_is_untouched() -> None:

@@ -81,7 +81,7 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
             bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
     if family in DEEPSEEK_LIKE:
-        config_class = {**CONFIG_CLASSES, **NOT_REWRITTEN}[family]
+        config_class = {**CONFIG_CLASSES, **EAGER_ONLY}[family]
         return _deepseek_like(getattr(transformers, config_class), q_lora_rank, rope)
     raise ValueError(f"unknown family {family!r}")
 
@@ -125,9 +125,9 @@ CONFIG_CLASSES = {
     "youtu": "YoutuConfig",  # dense MLP
     "bailing_hybrid": "BailingHybridConfig",  # linear-attention layers between the MLA ones
 }
-# MLA families whose attention the rewrite leaves as it is: hy_v4 adds a learned sink logit per
-# head to the softmax (eager attention only), which mla_decode does not compute.
-NOT_REWRITTEN = {"hy_v4": "HYV4Config"}
+# Families with eager attention only, tested on their own: hy_v4 (a learned sink logit per head
+# in the softmax; sparse attention too).
+EAGER_ONLY = {"hy_v4": "HYV4Config"}
 # The tested families this transformers release has (kimi_linear arrived after 5.14).
 FAMILIES = [f for f, config in CONFIG_CLASSES.items() if hasattr(transformers, config)]
 LATENT_ATTENTION = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 15)
