@@ -17,6 +17,7 @@ from torch._dynamo.utils import counters
 from mla_ops.hf_cache import cache_kwargs, output_cache
 from tests.fx_passes.tiny_models import (
     FAMILIES,
+    SPARSE_ATTENTION,
     attention_layers,
     left_padded_batch,
     llama_model,
@@ -124,8 +125,26 @@ def test_greedy_generate_float64(family: str, attn: str) -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", [f for f in SPARSE_ATTENTION if f in FAMILIES])
+def test_sparse_attention_mask_hides_keys(family: str) -> None:
+    """The sparse families' equality tests are not dense attention in disguise: with the tests'
+    top-k the original's decode step differs from the same weights keeping every key, and the
+    rewritten step follows the sparse one."""
+    model = tiny_model(family)
+    exact = truth_model(model)
+    ids, mask = left_padded_batch((4, 11, 7))
+    got, want, _ = decode_step_logits(model, exact, ids, mask)
+    indexers = [m for m in exact.modules() if hasattr(m, "index_topk")]
+    assert indexers
+    for module in indexers:
+        module.index_topk = 10**6  # every key kept
+    _, dense, _ = decode_step_logits(model, exact, ids, mask)
+    assert relative_error(dense, want) > 1e-3
+    assert relative_error(got, want) <= 1e-10
+
+
 @pytest.mark.skipif(
-    not hasattr(transformers, "HYV4Config"), reason="hy_v4 needs transformers >= 5.23"
+    not hasattr(transformers, "HYV4Config"), reason="this transformers has no hy_v4"
 )
 def test_attention_sinks_float64() -> None:
     """hy_v4's softmax takes a learned sink logit per head beside the scores (eager attention

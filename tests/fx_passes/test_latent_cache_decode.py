@@ -160,7 +160,7 @@ def test_sparse_attention_models_are_refused_by_name(family: str) -> None:
     "kimi_linear" not in FAMILIES, reason="kimi_linear came after transformers 5.14"
 )
 def test_hybrid_linear_attention_models_are_refused_by_name() -> None:
-    """Kimi Linear as released mixes linear-attention layers (recurrent states) with MLA layers:
+    """Kimi Linear's default layer_types mix linear-attention layers (recurrent states) with MLA:
     MLACache keeps latents only and says so, instead of transformers' "Cannot get conv state"."""
     config = tiny_model("kimi_linear").config
     config.layer_types = ["linear_attention", "full_attention"]
