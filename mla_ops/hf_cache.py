@@ -288,6 +288,15 @@ class MLACacheLayer(CacheLayerMixin):
             self.expanded = tuple(t[indices] for t in self.expanded)
 
 
+def _latent_width(text, layer: int) -> tuple[int | None, int]:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of one layer; heterogeneous configs (transformers'
+    ``per_layer_config``) may give each layer its own."""
+    per_layer = getattr(text, "per_layer_config", None)
+    layer_config = per_layer[layer] if per_layer is not None else text
+    kv_len = getattr(layer_config, "kv_lora_rank", None)
+    return kv_len, getattr(layer_config, "qk_rope_head_dim", 0)
+
+
 class MLACache(Cache):
     """Paged latent cache for MLA models: ``generate(..., cache=MLACache(config))``
     (``past_key_values=`` before transformers 5.24; ``cache_kwargs`` picks the name).
@@ -309,11 +318,8 @@ class MLACache(Cache):
         num_pages: int | None = None,
     ) -> None:
         text = config.get_text_config()
-        kv_len, rope_len = getattr(text, "kv_lora_rank", None), getattr(text, "qk_rope_head_dim", 0)
-        if kv_len is None:
-            raise ValueError(
-                f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
-            )
+        # The refusals come first: they read no per-layer attribute, which a heterogeneous
+        # config (Dots 3 Note's per-layer MLA shapes) refuses to give globally.
         other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
         if other_layers and getattr(text, "index_topk", None) is None:
             # Hybrid models (Kimi Linear, Bailing hybrid) keep recurrent states for their linear
@@ -331,6 +337,18 @@ class MLACache(Cache):
                 f"MLACache does not store the sparse-attention indexer's keys that "
                 f"{type(config).__name__} (index_topk={text.index_topk}) caches per layer; use "
                 "the model's default cache, which torch.compile(backend='mla') rewrites too"
+            )
+        widths = {_latent_width(text, layer) for layer in range(text.num_hidden_layers)}
+        if len(widths) > 1:
+            raise NotImplementedError(
+                f"MLACache keeps one latent width for every layer; {type(config).__name__}'s "
+                f"layers have (kv_lora_rank, qk_rope_head_dim) of {sorted(widths)}; use the "
+                "model's default cache, which torch.compile(backend='mla') rewrites too"
+            )
+        ((kv_len, rope_len),) = widths
+        if kv_len is None:
+            raise ValueError(
+                f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
             )
         self.store = _SharedStore(
             text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 from mla_ops.hf_cache import cache_kwargs, output_cache
 from tests.fx_passes.tiny_models import (
+    EAGER_ONLY,
     FAMILIES,
     SPARSE_ATTENTION,
     attention_layers,
@@ -143,14 +144,15 @@ def test_sparse_attention_mask_hides_keys(family: str) -> None:
     assert relative_error(got, want) <= 1e-10
 
 
-@pytest.mark.skipif(
-    not hasattr(transformers, "HYV4Config"), reason="this transformers has no hy_v4"
+@pytest.mark.parametrize(
+    "family", [f for f, config in EAGER_ONLY.items() if hasattr(transformers, config)]
 )
-def test_attention_sinks_float64() -> None:
-    """hy_v4's softmax takes a learned sink logit per head beside the scores (eager attention
-    only; its max subtracted first): the rewritten decode step scales each row by
-    sigmoid(lse - sink), within 1e-10 of the original, and greedy generate gives its tokens."""
-    model = tiny_model("hy_v4", attn="eager")
+def test_attention_sinks_float64(family: str) -> None:
+    """hy_v4's (and its VLM hy_v4_vl's) softmax takes a learned sink logit per head beside the
+    scores (eager attention only; its max subtracted first): the rewritten decode step scales each
+    row by sigmoid(lse - sink), within 1e-10 of the original, and greedy generate gives its
+    tokens."""
+    model = tiny_model(family, attn="eager")
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -158,7 +160,9 @@ def test_attention_sinks_float64() -> None:
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
     ids, mask = left_padded_batch((4, 8), seed=2)
     args = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    want_tokens = model.generate(ids, **args)
+    # a copy generates: a VLM (hy_v4_vl) keeps rope offsets from generate() that a later
+    # forward call without them would misread
+    want_tokens = copy.deepcopy(model).generate(ids, **args)
     got, want, _ = decode_step_logits(model, model, ids, mask)
     assert counters["mla"]["absorbed_sites"] == attention_layers(model)
     assert relative_error(got, want) <= 1e-10

@@ -7,6 +7,8 @@ same tests are the pinned-release CI run's proof that the rewritten model caches
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -168,3 +170,23 @@ def test_hybrid_linear_attention_models_are_refused_by_name() -> None:
         NotImplementedError, match=r"also has linear_attention layers.*default cache"
     ):
         hf_cache.MLACache(config, max_length=16)
+
+
+def test_layers_of_different_latent_widths_are_refused_by_name() -> None:
+    """A heterogeneous config (transformers' ``per_layer_config``, as Dots 3 Note's sliding-window
+    layers) may give layers different latent widths; MLACache's one pool cannot hold them."""
+
+    class HeterogeneousConfig:  # the attributes MLACache reads
+        num_hidden_layers = 2
+        per_layer_config = (
+            SimpleNamespace(kv_lora_rank=32, qk_rope_head_dim=16),
+            SimpleNamespace(kv_lora_rank=24, qk_rope_head_dim=16),
+        )
+
+        def get_text_config(self):
+            return self
+
+    with pytest.raises(
+        NotImplementedError, match=r"one latent width.*\(24, 16\), \(32, 16\).*default cache"
+    ):
+        hf_cache.MLACache(HeterogeneousConfig(), max_length=16)

@@ -80,6 +80,48 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
             topk_group=1, first_k_dense_replace=1, q_lora_rank=q_lora_rank, pad_token_id=0,
             bos_token_id=1, eos_token_id=2,
         )  # fmt: skip
+    if family == "dots3_note":  # per-layer MLA shapes: its sliding-window layers have 3 heads
+        return transformers.Dots3NoteTextConfig(
+            **MLA, **MOE, **rope, head_dim=32, q_lora_rank=q_lora_rank, intermediate_size=128,
+            num_hidden_layers=3, layer_types=["indexed_attention", "sliding_attention",
+            "indexed_attention"], sliding_window=5, index_topk=SPARSE_TOP_K, index_head_dim=16,
+            index_n_heads=2, n_group=2, topk_group=1, shared_experts_intermediate_size=32,
+            swa_num_attention_heads=3, swa_num_key_value_heads=3, swa_q_lora_rank=20,
+            swa_kv_lora_rank=24, swa_head_dim=32, swa_qk_nope_head_dim=16, swa_v_head_dim=8,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+    if family == "mistral_large4":  # a VLM run on text: KV sharing, NoPE layers, sparse attention
+        text = dict(
+            **MLA, **MOE, **rope, intermediate_size=128, num_hidden_layers=4,
+            no_rope_layers=[1, 1, 0, 0], kv_source_layers=[0, 0, 2, 2],
+            indexer_types=["full", "shared", "full", "shared"], index_topk=SPARSE_TOP_K,
+            index_head_dim=16, index_n_heads=2, pad_token_id=0,
+        )  # fmt: skip
+        vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, patch_size=4, image_size=16,
+                      head_dim=16)  # fmt: skip
+        return transformers.MistralLarge4Config(text_config=text, vision_config=vision)
+    if family == "glm5_next":  # a VLM run on text: linear-attention layers, MLA without RoPE
+        text = dict(
+            **{**MLA, "qk_rope_head_dim": 0}, **MOE, **rope, intermediate_size=128,
+            num_hidden_layers=2, q_lora_rank=q_lora_rank,
+            layer_types=["linear_attention", "indexed_attention"], index_topk=SPARSE_TOP_K,
+            index_head_dim=16, index_n_heads=2, index_kpool=2, linear_head_dim=16,
+            linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0,
+        )  # fmt: skip
+        vision = dict(depth=1, hidden_size=32, num_heads=2, out_hidden_size=64,
+                      intermediate_size=64, projection_intermediate_size=64)  # fmt: skip
+        return transformers.Glm5NextConfig(text_config=text, vision_config=vision)
+    if family == "hy_v4_vl":  # hy_v4's text model inside a VLM
+        # multimodal RoPE: (time, height, width) sections of the 8 rotary frequencies
+        rope_parameters = {
+            **rope.get("rope_parameters", {"rope_type": "default", "rope_theta": 1e4})
+        }
+        rope = {**rope, "rope_parameters": {**rope_parameters, "mrope_section": [4, 2, 2]}}
+        text = _deepseek_like(transformers.HYV4VLTextConfig, q_lora_rank, rope)
+        vision = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_hidden_layers=1, out_hidden_size=64, patch_size=4)  # fmt: skip
+        return transformers.HYV4VLConfig(text_config=text, vision_config=vision)
     if family in DEEPSEEK_LIKE:
         config_class = {**CONFIG_CLASSES, **EAGER_ONLY}[family]
         return _deepseek_like(getattr(transformers, config_class), q_lora_rank, rope)
@@ -87,10 +129,17 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
 
 
 # Families whose configs take DeepSeek-V3's argument names; each is given those its config
-# declares. The DeepSeek Sparse Attention ones (deepseek_v32, glm_moe_dsa, axk2) keep 4 keys per
-# query (``index_topk``), so their indexer's mask hides keys in every test that has more.
+# declares. The DeepSeek Sparse Attention families (SPARSE_ATTENTION) keep 4 keys per query
+# (``index_topk``), so their indexer's mask hides keys in every test that has more.
 DEEPSEEK_LIKE = ("axk1", "axk2", "deepseek_v32", "glm_moe_dsa", "sarvam_mla", "youtu", "hy_v4")
-SPARSE_ATTENTION = ("axk2", "deepseek_v32", "glm_moe_dsa")
+SPARSE_ATTENTION = (
+    "axk2",
+    "deepseek_v32",
+    "glm_moe_dsa",
+    "dots3_note",
+    "mistral_large4",
+    "glm5_next",
+)
 # Families with layers whose state MLACache does not keep: it refuses them by name.
 NOT_FOR_MLA_CACHE = (*SPARSE_ATTENTION, "bailing_hybrid")
 SPARSE_TOP_K = 4
@@ -124,10 +173,24 @@ CONFIG_CLASSES = {
     "sarvam_mla": "SarvamMLAConfig",  # runs as DeepseekV3ForCausalLM
     "youtu": "YoutuConfig",  # dense MLP
     "bailing_hybrid": "BailingHybridConfig",  # linear-attention layers between the MLA ones
+    # Sparse attention, sliding-window layers, per-layer MLA shapes, a sigmoid gate per head
+    "dots3_note": "Dots3NoteTextConfig",
+    # Sparse attention, layers that reuse an earlier layer's latents, NoPE layers (R = 0), a
+    # per-head query scale by log position; a VLM (MistralLarge4ForConditionalGeneration)
+    "mistral_large4": "MistralLarge4Config",
+    # Sparse attention over pooled keys, linear-attention layers, MLA without RoPE,
+    # hyper-connections; a VLM (Glm5NextForConditionalGeneration)
+    "glm5_next": "Glm5NextConfig",
 }
-# Families with eager attention only, tested on their own: hy_v4 (a learned sink logit per head
-# in the softmax; sparse attention too).
-EAGER_ONLY = {"hy_v4": "HYV4Config"}
+# Families with eager attention only, tested on their own: hy_v4 and its VLM hy_v4_vl (a learned
+# sink logit per head in the softmax; sparse attention too).
+EAGER_ONLY = {"hy_v4": "HYV4Config", "hy_v4_vl": "HYV4VLConfig"}
+# Families whose text model is not ``<Config name>ForCausalLM`` nor AutoModelForCausalLM's.
+MODEL_CLASSES = {
+    "mistral_large4": "MistralLarge4ForConditionalGeneration",
+    "glm5_next": "Glm5NextForConditionalGeneration",
+    "hy_v4_vl": "HYV4VLForConditionalGeneration",
+}
 # The tested families this transformers release has (kimi_linear arrived after 5.14).
 FAMILIES = [f for f, config in CONFIG_CLASSES.items() if hasattr(transformers, config)]
 LATENT_ATTENTION = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 15)
@@ -150,9 +213,8 @@ def tiny_model(
     config = _config(family, q_lora_rank, yarn)
     torch.manual_seed(seed)
     kwargs = dict(dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm")
-    model_class = getattr(
-        transformers, type(config).__name__.replace("Config", "ForCausalLM"), None
-    )
+    class_name = type(config).__name__.replace("Config", "ForCausalLM")
+    model_class = getattr(transformers, MODEL_CLASSES.get(family, class_name), None)
     if model_class is not None:  # mistral4 has no AutoModelForCausalLM entry
         return model_class._from_config(config, **kwargs).eval()
     # sarvam_mla runs as DeepseekV3ForCausalLM
