@@ -753,14 +753,23 @@ def _descriptor(t: torch.Tensor, block_n: int):
 DEFAULT_SHARED_MEMORY = 232448
 
 
-def shared_memory_bytes(cfg: DecodeConfig, row_width: int, element_size: int) -> int:
-    """Shared memory of the decode kernel: the query block plus ``num_stages`` KV tiles.
+def shared_memory_bytes(cfg: DecodeConfig, row_width: int, element_size: int, kv_width: int) -> int:
+    """Shared memory of the decode kernel, bounded from above.
 
-    row_width: padded row width (power-of-two L block plus power-of-two R block).
+    row_width: padded row width (power-of-two L block plus power-of-two R block); kv_width: the
+    power-of-two L block.
 
-    Matches what Triton reported for every configuration measured on an H200 (NOTES.md).
+    The query block plus two or more KV tiles: pipelined, Triton keeps ``num_stages`` of them; with
+    one stage it stages the tile through shared memory for the dots, which took as much as a second
+    stage or less in every tiling compiled. The epilogue converts the float32 ``[block_m, L]``
+    accumulator through shared memory too, which bounds 64-row programs at L = 1024 (256 KB).
+    Plus 1 KB for barriers. Checked against ``metadata.shared`` of offline sm_90 compiles (NOTES.md
+    items 8 and 75; ``test_shared_memory_bound_holds``).
     """
-    return (cfg.block_m + cfg.num_stages * cfg.block_n) * row_width * element_size
+    tiles = max(cfg.num_stages, 2) * cfg.block_n
+    loop = (cfg.block_m + tiles) * row_width * element_size
+    epilogue = cfg.block_m * kv_width * 4
+    return max(loop, epilogue) + 1024
 
 
 def default_config(
@@ -791,16 +800,26 @@ def default_config(
     else:
         tma = False if block_m >= 64 else None
         cfg = DecodeConfig(block_m=block_m, block_n=64, num_warps=8, num_stages=2, use_tma=tma)
-    row = _next_pow2(kv_len) + (_next_pow2(rope_len) if rope_len else 0)
-    while shared_memory_bytes(cfg, row, element_size) > shared_memory:
-        if cfg.num_stages > 1:
+    kv_width = _next_pow2(kv_len)
+    row = kv_width + (_next_pow2(rope_len) if rope_len else 0)
+    # Stages past two first (one stage needs no less than two, shared_memory_bytes), then rows
+    # down to 32, then tokens: at L=1024 (64 heads, bf16, H200) 32 x 32 tiles took 445 us where
+    # 32 x 16 took 685 and 16 x 16 559 (NOTES.md item 75).
+    while (need := shared_memory_bytes(cfg, row, element_size, kv_width)) > shared_memory:
+        if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_m > 32:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
         elif cfg.block_n > 16:
             cfg = replace(cfg, block_n=cfg.block_n // 2)
         elif cfg.block_m > 16:
             cfg = replace(cfg, block_m=cfg.block_m // 2)
         else:
-            break
+            raise ValueError(
+                f"the decode kernel's smallest tiling needs {need} bytes of shared memory for "
+                f"kv_c width {kv_len} and k_pe width {rope_len} at {element_size}-byte elements; "
+                f"this GPU gives a program {shared_memory}"
+            )
     return cfg
 
 
@@ -942,7 +961,9 @@ class _DecodeKernel:
         record["wgmma_one_scorer"] = one_scorer
         if one_scorer:
             # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
-            num_warps, producer_warps, rows_on_m = 4, 0, False
+            # Its pipeline is built for two ring slots, even where a narrower row would fit three
+            # (MiniCPM3's L=256, R=32 at 40 heads, NOTES.md item 75).
+            num_warps, producer_warps, rows_on_m, stages = 4, 0, False, 2
         else:
             producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)
             rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8) and not masked

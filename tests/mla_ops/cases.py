@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import math
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from tests.mla_ops.reference64 import mla_attention
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # (atol, rtol) of an output against the float64 reference, by input dtype.
 TOLERANCE = {
@@ -269,3 +276,17 @@ def poison_hidden_keys(case: DecodeCase) -> None:
             if hidden[b, t]:
                 case.kv_c[b, t] = float("nan")
                 case.k_pe[b, t] = float("nan")
+
+
+def offline_compile(statements: str):
+    """Run ``statements`` (with ``benchmarks/offline_compile.py`` imported as ``oc``) in a fresh
+    process, which needs Triton's compiler, not the interpreter the suite turns on; returns the
+    literal its last printed line holds."""
+    code = "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", code + statements], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return ast.literal_eval(run.stdout.strip().splitlines()[-1])

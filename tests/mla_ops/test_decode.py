@@ -73,6 +73,31 @@ def test_no_rope_part(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("dims", "heads", "s_q", "page_size"),
+    [
+        ((1024, 64), 3, 1, 64),  # Dots 3 Note's sliding-window layers' latent width
+        ((1024, 64), 64, 2, 1),
+        ((512, 0), 64, 1, 64),  # GLM-5 Next, Mistral Large 4's NoPE layers: no RoPE part
+        ((512, 0), 5, 3, 16),
+        ((512, 64), 64, 1, 64),  # HY V4, Mistral Large 4: 64 heads
+        ((256, 32), 40, 1, 64),  # MiniCPM3
+        ((256, 32), 40, 2, 1),
+    ],
+)
+def test_latent_shapes_of_other_families(
+    dims: tuple[int, int], heads: int, s_q: int, page_size: int, device: str
+) -> None:
+    """Latent widths and head counts of the MLA families beyond DeepSeek's (L=512, R=64, H=16 or
+    128), in bf16 as they run, with empty and odd-length sequences."""
+    case = make_case(
+        11, dtype=torch.bfloat16, device=device, dims=dims, heads=heads, s_q=s_q,
+        page_size=page_size, causal=s_q > 1, lengths=[0, 1100, s_q, 333],
+    )  # fmt: skip
+    run_and_check(case, torch.bfloat16, planner=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_empty_batch(device: str) -> None:
     q = torch.randn(0, 1, 4, 48, device=device)
     cache = torch.randn(0, 10, 48, device=device)

@@ -11,22 +11,15 @@ instructions for sm_90 with the installed Triton (its wheel carries ptxas), with
 
 from __future__ import annotations
 
-import ast
-import os
-import subprocess
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import HAS_CUDA, triton_available
-from tests.mla_ops.cases import assert_matches, make_case
+from tests.mla_ops.cases import assert_matches, make_case, offline_compile
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _gluon_available() -> bool:
@@ -46,20 +39,6 @@ def _on_hopper() -> bool:
 
 
 requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (sm_90)")
-
-
-def _offline_compile(statements: str):
-    """Run ``statements`` (with ``benchmarks/offline_compile.py`` imported as ``oc``) in a fresh
-    process, which needs Triton's compiler, not the interpreter the suite turns on; returns the
-    literal its last printed line holds."""
-    code = "import sys; sys.path.insert(0, 'benchmarks'); import offline_compile as oc; "
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run(
-        [sys.executable, "-c", code + statements], cwd=ROOT, env=env, capture_output=True,
-        text=True, timeout=900,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    return ast.literal_eval(run.stdout.strip().splitlines()[-1])
 
 
 def run(kernels, case):
@@ -308,6 +287,22 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
     products = kernels.LAST_LAUNCH["wgmma_float8_products"]
     assert products == shape.startswith("float8 products"), shape
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
+
+
+@requires_hopper
+@pytest.mark.parametrize(("dims", "heads"), [((256, 32), 40), ((128, 64), 64), ((256, 0), 128)])
+def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -> None:
+    """64-row programs over rows narrower than DeepSeek's (MiniCPM3: L=256, R=32, 40 heads), where
+    a third ring slot would fit: the one-scorer loop keeps its two (it was handed three and
+    refused, NOTES.md item 75)."""
+    case = make_case(
+        1340 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=dims, heads=heads,
+        s_q=1, lengths=[900, 0, 64, 333], causal=True, pair=False,
+    )  # fmt: skip
+    out, lse = run(kernels, case)
+    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
+    ref_out, ref_lse = case.reference()
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
 
 @requires_hopper
@@ -1084,7 +1079,7 @@ def test_compiles_to_wgmma_for_sm90(
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     gather = page_size % 64 != 0
-    res = _offline_compile(
+    res = offline_compile(
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
         f"page_size={page_size}, gather={gather}, rows_on_m={rows_on_m}, merge={merge}, "
         f"pe_dtype={pe_dtype!r}); "
@@ -1146,7 +1141,7 @@ def test_masked_builds_compile(
     from mla_ops import triton_kernels
 
     gather = page_size % 64 != 0
-    res = _offline_compile(
+    res = offline_compile(
         f"k = oc.compile_wgmma({rows}, 2, warps={warps}, kv_dtype={kv_dtype!r}, "
         f"page_size={page_size}, gather={gather}, rows_on_m=False, mask={mask!r}, "
         f"one_scorer={one_scorer}, s_q={s_q}); print(oc.resources(k))"
@@ -1168,7 +1163,7 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
     P.V left in flight (no ``wgmma.wait_group`` between its last product and the loop's branch);
     no spill; no fp16 staging tile (64 KB less shared memory than the same build with
     ``float8_products=False``, which keeps its conversions)."""
-    products, staged = _offline_compile(
+    products, staged = offline_compile(
         "import re; r = []\n"
         "for fp in (True, False):\n"
         f"    k = oc.compile_wgmma(16, 2, kv_dtype='fp8e4nv', merge={merge}, float8_products=fp)\n"
@@ -1197,7 +1192,7 @@ def test_float8_k_pe_compiles_to_float8_rope_scores() -> None:
     """With ``k_pe`` in float8 too (NOTES.md item 58) the RoPE scores are two more ``m64n32k32``
     e4m3 products (K = 64) into the nope scores' accumulator, and no 16-bit wgmma is left; no
     spill, and a ring slot 4 KB smaller (64 x 64 bytes of k_pe instead of 128)."""
-    whole, pair = _offline_compile(
+    whole, pair = offline_compile(
         "import re; r = []\n"
         "for pe in ('fp8e4nv', None):\n"
         "    k = oc.compile_wgmma(16, 2, kv_dtype='fp8e4nv', pe_dtype=pe)\n"
@@ -1286,7 +1281,7 @@ def test_rows_on_m_loads_the_query_before_the_first_copies() -> None:
     """A 64-row program with the rows on M issues its query's loads (18 16-byte loads per
     thread: 64 x 576 bf16 over 256 threads) before the ring's first copies, so that they do not
     queue behind every program's first tiles (NOTES.md item 43)."""
-    res = _offline_compile(
+    res = offline_compile(
         "import re; k = oc.compile_wgmma(64, 2, warps=8); ptx = k.asm['ptx']; "
         "first_copy = ptx.index('cp.async.bulk.tensor'); "
         "loads = [m.start() for m in re.finditer(r'ld\\.global\\.v4', ptx)]; "
@@ -1309,7 +1304,7 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     final 16-bit rows, staged, go out 16 bytes a store."""
     from mla_ops import triton_kernels
 
-    res = _offline_compile(
+    res = offline_compile(
         f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['m64n64'] = ptx.count('m64n64k16'); r['m64n256'] = ptx.count('m64n256k16'); "
@@ -1338,7 +1333,7 @@ def test_fp8_conversion_has_no_bank_conflicts() -> None:
     ``io`` layout's loads replay two-way on a float8 tile's 128-byte rows (ncu: 2.1 of 4.6
     million load wavefronts on (a8)), so the check can fail."""
     widths = (64, 128, 256, 512)
-    res = _offline_compile(
+    res = offline_compile(
         f"print([oc.conversion_bank_conflicts(w, L) for w in (4, 8) for L in {widths}])"
     )
     for (warps, kv_len), counts in zip([(w, L) for w in (4, 8) for L in widths], res, strict=True):
@@ -1352,7 +1347,7 @@ def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: s
     """The 16-row kernel of a balanced plan, built longest first: the ranking's shared memory
     adds nothing to the kernel's, and it spills at most 8 scalars more than the split-major build
     (Triton 3.6: none either way; Triton 3.9 over a float8 cache: 24 and 56 bytes)."""
-    split_major, longest = _offline_compile(
+    split_major, longest = offline_compile(
         f"print([oc.resources(oc.compile_wgmma(16, {stages}, kv_dtype={kv_dtype!r}, "
         "balanced=True, longest_first=lf)) for lf in (False, True)])"
     )
@@ -1369,7 +1364,7 @@ def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
     from mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
-    (plain, plain_spill), (stamped, stamped_spill) = _offline_compile(
+    (plain, plain_spill), (stamped, stamped_spill) = offline_compile(
         f"r = [oc.compile_wgmma({block_m}, 2, warps={warps}, stamps=s) for s in (False, True)]; "
         "print([(k.asm['ptx'].count('%globaltimer'), oc.resources(k)['spill_bytes']) for k in r])"
     )
