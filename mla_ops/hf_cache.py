@@ -86,10 +86,13 @@ class _SharedStore:
         page_size: int,
         static: bool,
         num_pages: int | None,
+        index_len: int = 0,
+        index_layers: list[int] | None = None,
     ) -> None:
         self.num_layers, self.kv_len, self.rope_len = num_layers, kv_len, rope_len
         self.max_length, self.page_size = max_length, page_size
         self.static, self.num_pages = static, num_pages
+        self.index_len, self.index_layers = index_len, index_layers
         self.cache: PagedLatentCache | None = None
 
     @property
@@ -110,6 +113,8 @@ class _SharedStore:
                 static=self.static,
                 dtype=dtype,
                 device=device,
+                index_len=self.index_len,
+                index_layers=self.index_layers,
             )
             self.mark_static()
         return self.cache
@@ -117,7 +122,7 @@ class _SharedStore:
     def mark_static(self) -> None:
         """Fixed addresses (static mode): compiled graphs and CUDA graphs read them in place."""
         if self.static and self.cache is not None and not torch.compiler.is_compiling():
-            for tensor in [*self.cache.pools, self.cache.block_table, self.cache.seqlens]:
+            for tensor in [*self.cache.all_pools, self.cache.block_table, self.cache.seqlens]:
                 torch._dynamo.mark_static_address(tensor)
 
 
@@ -159,6 +164,19 @@ class MLACacheLayer(CacheLayerMixin):
         # [B, T, L], [B, T, R]; static: T = capacity, zero past the length (the mask hides it)
         kv_c, k_pe = cache.rows(self.layer_idx)
         return kv_c.unsqueeze(1), k_pe.unsqueeze(1)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """DeepSeek Sparse Attention's indexer keys ``[B, S, D]`` of the tokens this layer just
+        stored; returns every stored key, ``[B, T, D]`` (``T`` as the latents' ``update``), which
+        the indexer scores under the attention mask (transformers' ``DynamicIndexedLayer``)."""
+        if self.mode != "latent":
+            raise RuntimeError(
+                f"MLACache layer {self.layer_idx}: update_indexer before the layer's latents were "
+                "stored; the indexer's keys go at the positions of the tokens stored last"
+            )
+        cache = self.store.cache
+        cache.append_index(self.layer_idx, indexer_key_states)
+        return cache.index_rows(self.layer_idx)
 
     def _is_latent(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """``[B, 1, S, L]`` and ``[B, 1, S, R]``: what latent-caching attention hands over."""
@@ -297,6 +315,24 @@ def _latent_width(text, layer: int) -> tuple[int | None, int]:
     return kv_len, getattr(layer_config, "qk_rope_head_dim", 0)
 
 
+def _sparse_refusal(text) -> str | None:
+    """Why MLACache cannot keep a DeepSeek Sparse Attention model's indexer state (None if it
+    can): it keeps one key per token per indexed layer, written after the layer's latents, as
+    transformers >= 5.15's latent-caching attention does."""
+    if not LATENT_ATTENTION:
+        return (
+            f"transformers {transformers.__version__} runs its indexer around expanded K/V "
+            f"(latent caching, and MLACache's indexer keys, need >= {MIN_TRANSFORMERS[0]}."
+            f"{MIN_TRANSFORMERS[1]})"
+        )
+    if getattr(text, "index_kpool", 1) > 1:
+        return f"its indexer caches keys pooled over {text.index_kpool} tokens (index_kpool)"
+    sources = getattr(text, "kv_source_layers", None)
+    if sources is not None and any(source != layer for layer, source in enumerate(sources)):
+        return "some layers read another layer's latents (kv_source_layers)"
+    return None
+
+
 class MLACache(Cache):
     """Paged latent cache for MLA models: ``generate(..., cache=MLACache(config))``
     (``past_key_values=`` before transformers 5.24; ``cache_kwargs`` picks the name).
@@ -320,24 +356,37 @@ class MLACache(Cache):
         text = config.get_text_config()
         # The refusals come first: they read no per-layer attribute, which a heterogeneous
         # config (Dots 3 Note's per-layer MLA shapes) refuses to give globally.
-        other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - {"full_attention"})
-        if other_layers and getattr(text, "index_topk", None) is None:
-            # Hybrid models (Kimi Linear, Bailing hybrid) keep recurrent states for their linear
-            # attention layers in transformers' own cache layers, which this cache does not make.
+        sparse = getattr(text, "index_topk", None) is not None
+        kept = {"full_attention", "indexed_attention"} if sparse else {"full_attention"}
+        other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - kept)
+        if other_layers:
+            # Hybrid models (Kimi Linear, Bailing hybrid, GLM-5 Next) keep recurrent states for
+            # their linear attention layers in transformers' own cache layers, which this cache
+            # does not make; sliding-window layers (Dots 3 Note) keep a window of their own.
             raise NotImplementedError(
                 f"MLACache holds MLA latents only; {type(config).__name__} also has "
                 f"{', '.join(other_layers)} layers (config.layer_types), whose states it does "
                 "not keep; use the model's default cache, which torch.compile(backend='mla') "
                 "rewrites too"
             )
-        if getattr(text, "index_topk", None) is not None:
+        index_len, index_layers = 0, None
+        if sparse:
             # DeepSeek Sparse Attention caches its indexer's keys beside the latents
-            # (transformers' DynamicIndexedLayer); this cache has no place for them.
-            raise NotImplementedError(
-                f"MLACache does not store the sparse-attention indexer's keys that "
-                f"{type(config).__name__} (index_topk={text.index_topk}) caches per layer; use "
-                "the model's default cache, which torch.compile(backend='mla') rewrites too"
-            )
+            # (transformers' DynamicIndexedLayer): kept in pools of their own (update_indexer).
+            why = _sparse_refusal(text)
+            if why:
+                raise NotImplementedError(
+                    f"MLACache does not keep {type(config).__name__}'s sparse-attention indexer "
+                    f"state (index_topk={text.index_topk}): {why}; use the model's default "
+                    "cache, which torch.compile(backend='mla') rewrites too"
+                )
+            index_len = text.index_head_dim
+            indexer_types = getattr(text, "indexer_types", None)  # "shared": no indexer of its own
+            index_layers = [
+                layer
+                for layer in range(text.num_hidden_layers)
+                if indexer_types is None or indexer_types[layer] != "shared"
+            ]
         widths = {_latent_width(text, layer) for layer in range(text.num_hidden_layers)}
         if len(widths) > 1:
             raise NotImplementedError(
@@ -351,8 +400,9 @@ class MLACache(Cache):
                 f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
             )
         self.store = _SharedStore(
-            text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages
-        )
+            text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages,
+            index_len, index_layers,
+        )  # fmt: skip
         super().__init__(
             layers=[MLACacheLayer(self.store, i) for i in range(text.num_hidden_layers)]
         )
@@ -382,12 +432,15 @@ class MLACache(Cache):
     def bytes_per_token(self) -> int:
         """Bytes one cached token occupies summed over the layers, as stored: one latent row
         ``(L+R) x element size`` per layer, or the expanded K/V ``H x (P+R+V) x element size``
-        per layer an unrewritten transformers < 5.15 model handed over. 0 before the first
-        update."""
+        per layer an unrewritten transformers < 5.15 model handed over; plus a sparse-attention
+        model's indexer keys (``index_head_dim x element size`` per indexed layer). 0 before
+        the first update."""
         total = 0
         for layer in self.layers:
             if layer.mode == "expanded":
                 total += sum(t[0, :, 0].numel() * t.element_size() for t in layer.expanded)
             elif layer.mode == "latent":
                 total += self.store.cache.bytes_per_token_per_layer()
+        if self.store.cache is not None:
+            total += self.store.cache.index_bytes_per_token()
         return total

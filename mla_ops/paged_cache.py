@@ -11,11 +11,14 @@ lengths. It is the storage under a Hugging Face cache (issue 5); it knows nothin
   sequences grow (a host-side allocator and host-side lengths: eager use only).
 * Every sequence owns its pages: no page is ever in two rows of the block table.
 * All sequences of the batch advance together (as in ``generate()``, where padding is a token).
+* A DeepSeek Sparse Attention model's indexer keys (``index_len`` per token) live in pools of
+  their own on the same pages, addressed by the same block table and lengths.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -39,6 +42,10 @@ class PagedLatentCache:
         page_size: tokens per page (64 is what the kernel's copy-engine path wants).
         num_pages: pages per layer pool; default: enough for every sequence at ``max_length``.
         static: allocate all pages up front (fixed addresses, CUDA-graph friendly).
+        index_len: width of the sparse-attention indexer's key kept per token beside the
+            latent (DeepSeek Sparse Attention; 0: none), in pools of its own with the same
+            pages, block table and lengths.
+        index_layers: the layers that keep indexer keys (default: all, when ``index_len``).
     """
 
     def __init__(
@@ -54,6 +61,8 @@ class PagedLatentCache:
         static: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        index_len: int = 0,
+        index_layers: Sequence[int] | None = None,
     ) -> None:
         for name, value in (
             ("num_layers", num_layers),
@@ -64,8 +73,9 @@ class PagedLatentCache:
         ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(rope_len, int) or rope_len < 0:
-            raise ValueError(f"rope_len must be an int >= 0, got {rope_len!r}")
+        for name, value in (("rope_len", rope_len), ("index_len", index_len)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         self.kv_len, self.rope_len, self.page_size = kv_len, rope_len, page_size
         self.batch_size, self.max_length = batch_size, max_length
         self.static = static
@@ -85,6 +95,18 @@ class PagedLatentCache:
         self.pools = [
             torch.empty(num_pages, page_size, row, dtype=dtype, device=self.device)
             for _ in range(num_layers)
+        ]
+        # [num_pages, page_size, index_len] per layer that keeps indexer keys (None elsewhere):
+        # the same pages as the latents, so every batch operation moves both alike.
+        indexed = set(range(num_layers) if index_layers is None else index_layers)
+        if index_len and not indexed <= set(range(num_layers)):
+            raise ValueError(f"index_layers must be layers of [0, {num_layers}), got {indexed}")
+        self.index_len = index_len
+        self.index_pools: list[torch.Tensor | None] = [
+            torch.empty(num_pages, page_size, index_len, dtype=dtype, device=self.device)
+            if index_len and layer in indexed
+            else None
+            for layer in range(num_layers)
         ]
         # [B, pages_per_seq] int32; -1 marks a page not allocated (never read by the kernel).
         self.block_table = torch.full(
@@ -108,8 +130,17 @@ class PagedLatentCache:
         return len(self.pools)
 
     def bytes_per_token_per_layer(self) -> int:
-        """Bytes one token occupies in one layer: ``(L+R) * element size``."""
+        """Bytes one token's latent occupies in one layer: ``(L+R) * element size``."""
         return (self.kv_len + self.rope_len) * self.pools[0].element_size()
+
+    def index_bytes_per_token(self) -> int:
+        """Bytes one token's indexer keys occupy, summed over the layers that keep them."""
+        return sum(p.shape[-1] * p.element_size() for p in self.index_pools if p is not None)
+
+    @property
+    def all_pools(self) -> list[torch.Tensor]:
+        """Every pool the block table addresses: the latents', then the indexer keys'."""
+        return [*self.pools, *(p for p in self.index_pools if p is not None)]
 
     @property
     def capacity(self) -> int:
@@ -169,6 +200,40 @@ class PagedLatentCache:
         rows = torch.cat([kv_c, k_pe], dim=-1)  # [B, S, L+R]
         torch.ops.mla.paged_append(self.pools[layer], self.block_table, lengths, rows)
 
+    def append_index(self, layer: int, keys: torch.Tensor) -> None:
+        """Store the indexer keys ``[B, S, index_len]`` of the ``S`` tokens ``layer`` stored last
+        (``append`` came first: DeepSeek Sparse Attention caches the latents, then runs its
+        indexer), at the same positions; the lengths do not move."""
+        pool = self._index_pool(layer)
+        if keys.dim() != 3 or keys.shape[0] != self.batch_size or keys.shape[2] != self.index_len:
+            raise ValueError(
+                f"indexer keys must be [batch={self.batch_size}, S, {self.index_len}], got "
+                f"{tuple(keys.shape)}"
+            )
+        # paged_append writes at the lengths it is given and advances them: a copy, so the
+        # layer's own lengths (already past these tokens) stay.
+        start = self.seqlens[layer] - keys.shape[1]  # [B] int32
+        torch.ops.mla.paged_append(pool, self.block_table, start, keys)
+
+    def index_rows(self, layer: int) -> torch.Tensor:
+        """All stored indexer keys of ``layer`` in token order, ``[B, T, index_len]``, ``T`` as
+        in ``rows`` (static: the capacity, zero past the length)."""
+        return self._gather(self._index_pool(layer), layer)
+
+    def _index_pool(self, layer: int) -> torch.Tensor:
+        pool = self.index_pools[layer]
+        if pool is None:
+            raise ValueError(f"layer {layer} keeps no indexer keys (index_len / index_layers)")
+        return pool
+
+    def _gather(self, pool: torch.Tensor, layer: int) -> torch.Tensor:
+        """``pool``'s rows of ``layer``'s sequences in token order (see ``rows``)."""
+        if self.static:
+            return torch.ops.mla.paged_rows(pool, self.block_table, self.seqlens[layer])
+        length = self._lengths[layer]
+        pages = self.block_table[:, : math.ceil(length / self.page_size)].long()  # [B, n]
+        return pool[pages].flatten(1, 2)[:, :length]  # [B, T, D]
+
     def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored rows of ``layer`` in token order: ``kv_c [B, T, L]``, ``k_pe [B, T, R]``.
 
@@ -177,14 +242,7 @@ class PagedLatentCache:
         static cache), rows past the length are zero, through ``mla::paged_rows``, which
         ``fx_passes`` replaces by ``mla_decode`` over the pages.
         """
-        if self.static:
-            gathered = torch.ops.mla.paged_rows(
-                self.pools[layer], self.block_table, self.seqlens[layer]
-            )  # [B, capacity, L+R]
-        else:
-            length = self._lengths[layer]
-            pages = self.block_table[:, : math.ceil(length / self.page_size)].long()  # [B, n]
-            gathered = self.pools[layer][pages].flatten(1, 2)[:, :length]  # [B, T, L+R]
+        gathered = self._gather(self.pools[layer], layer)  # [B, T, L+R]
         return gathered[..., : self.kv_len], gathered[..., self.kv_len :]
 
     # --- batch operations (generate(): beam search, assisted decoding, reuse) -----------------
@@ -202,7 +260,11 @@ class PagedLatentCache:
             return
         index = beam_idx.to(self.device, torch.long)
         mine = self.block_table[:, :used].long()  # [B, n]
-        for pool in self.pools if layer is None else [self.pools[layer]]:
+        if layer is None:
+            pools = self.all_pools
+        else:
+            pools = [p for p in (self.pools[layer], self.index_pools[layer]) if p is not None]
+        for pool in pools:
             pool[mine] = pool[mine[index]]  # the right side is gathered first: a safe copy
 
     def regroup(self, sources: torch.Tensor) -> None:
@@ -227,7 +289,7 @@ class PagedLatentCache:
         used = self._pages_allocated
         old_pages = self.block_table[:, :used].long().cpu()  # [B, n]
         # Gather every source's rows first (a copy), then lay the new batch out.
-        rows = [pool[old_pages[sources].to(self.device)] for pool in self.pools]
+        rows = [pool[old_pages[sources].to(self.device)] for pool in self.all_pools]
         seqlens = self.seqlens[:, sources.to(self.device)].clone()
         self._free = list(range(self.num_pages - 1, -1, -1))
         self._owned = [[] for _ in range(new_batch)]
@@ -238,7 +300,7 @@ class PagedLatentCache:
         )
         self._allocate_pages(self.pages_per_seq if self.static else used)
         new_pages = self.block_table[:, :used].long()
-        for pool, copied in zip(self.pools, rows):
+        for pool, copied in zip(self.all_pools, rows, strict=True):
             pool[new_pages] = copied
         self.seqlens = seqlens
 

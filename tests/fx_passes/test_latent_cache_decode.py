@@ -28,16 +28,26 @@ from tests.fx_passes.tiny_models import (
 )
 
 hf_cache = pytest.importorskip("mla_ops.hf_cache")
+transformers = pytest.importorskip("transformers")
 
 
 def latent_cache(model, page_size: int = 4, max_length: int = 64):
     return hf_cache.MLACache(model.config, max_length=max_length, page_size=page_size, static=True)
 
 
-# Sparse-attention families cache their indexer's keys too, and hybrid ones linear-attention
-# states: MLACache refuses both (below).
-CASES = [(family, "sdpa") for family in FAMILIES if family not in NOT_FOR_MLA_CACHE]
+# Sparse-attention families keep their indexer's keys beside the latents (transformers >= 5.15);
+# the families in NOT_FOR_MLA_CACHE, and the sparse ones before 5.15, are refused (below).
+CASES = [
+    (family, "sdpa")
+    for family in FAMILIES
+    if family not in NOT_FOR_MLA_CACHE and (LATENT_ATTENTION or family not in SPARSE_ATTENTION)
+]
 CASES += [("deepseek_v3", "eager")]
+
+
+def indexed_layers(model) -> int:
+    """Layers that run a sparse-attention indexer of their own (and so cache its keys)."""
+    return sum(1 for name, module in model.named_modules() if name.endswith("self_attn.indexer"))
 
 
 @pytest.mark.parametrize(("family", "attn"), CASES)
@@ -51,9 +61,17 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     ids, mask = left_padded_batch((5, 11) if attn == "sdpa" else (3, 8), seed=4)
     args = dict(attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=0)
     want = exact.generate(ids, **args, return_dict_in_generate=True)
+    want_tokens = want.sequences
     cache = latent_cache(model)
+    if family in SPARSE_ATTENTION:
+        # The indexer scores keys in float32, so which of two near-equal keys its top-k keeps
+        # depends on the length of the key tensor (its matmul's blocking): a static cache's
+        # capacity-long keys pick differently from the default cache's. The truth is then
+        # transformers' own static cache of MLACache's capacity.
+        static = transformers.StaticCache(config=exact.config, max_cache_len=cache.store.capacity)
+        want_tokens = exact.generate(ids, **args, **hf_cache.cache_kwargs(exact, static))
     got = rewritten(model).generate(ids, **args, **hf_cache.cache_kwargs(model, cache))
-    assert torch.equal(got, want.sequences)
+    assert torch.equal(got, want_tokens)
     layers = attention_layers(model)
     rewritten_graphs = 1 if attn == "sdpa" else 2  # eager: the short prefill is rewritten too
     assert counters["mla"]["paged_sites"] == rewritten_graphs * layers, dict(counters["mla"])
@@ -61,20 +79,29 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     if not LATENT_ATTENTION:  # prefill and decode graph each turned every update into latents
         assert counters["mla"]["latent_cache_updates"] == 2 * layers
 
-    # What a token costs: one latent row per layer, against the default cache's rows.
+    # What a token costs: one latent row per layer (and a sparse-attention model's indexer key
+    # per indexed layer), against the default cache's rows.
     config = model.config
     latent_row = (config.kv_lora_rank + config.qk_rope_head_dim) * 8  # float64
-    assert cache.bytes_per_token() == layers * latent_row
+    index_row = indexed_layers(model) * getattr(config, "index_head_dim", 0) * 8
+    assert cache.bytes_per_token() == layers * latent_row + index_row
     assert cache.paged.pools[0].nbytes == cache.paged.num_pages * cache.paged.page_size * latent_row
     default = hf_cache.output_cache(want)
     tokens = got.shape[0] * default.get_seq_length()
-    default_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in default.layers)
+    default_bytes = sum(
+        layer.keys.nbytes
+        + layer.values.nbytes
+        + getattr(layer, "indexer_keys", torch.empty(0)).nbytes
+        for layer in default.layers
+    )
     expanded_row = (
         config.num_attention_heads
         * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
         * 8
     )
-    assert default_bytes / tokens == layers * (latent_row if LATENT_ATTENTION else expanded_row)
+    assert default_bytes / tokens == index_row + layers * (
+        latent_row if LATENT_ATTENTION else expanded_row
+    )
     if FULLGRAPH[family]:
         # prefill + one decode graph for all 23 decode steps: the lengths live on the device
         assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
@@ -149,13 +176,45 @@ def test_growing_cache_refuses_compile() -> None:
                        **hf_cache.cache_kwargs(model, cache))  # fmt: skip
 
 
+REFUSALS = {
+    "dots3_note": r"also has sliding_attention layers",
+    "mistral_large4": r"index_topk=4\): some layers read another layer's latents",
+    "glm5_next": r"also has linear_attention layers",
+}
+
+
+@pytest.mark.parametrize("family", [f for f in REFUSALS if f in FAMILIES])
+def test_models_whose_state_mla_cache_cannot_keep_are_refused_by_name(family: str) -> None:
+    """Sliding-window layers, linear-attention layers, layers that share another layer's latents:
+    MLACache says so at construction, naming the default cache, instead of failing inside the
+    compiled step."""
+    with pytest.raises(NotImplementedError, match=REFUSALS[family] + r".*default cache"):
+        latent_cache(tiny_model(family))
+
+
+@pytest.mark.skipif(LATENT_ATTENTION, reason="transformers >= 5.15 keeps the indexer's keys")
 @pytest.mark.parametrize("family", [f for f in SPARSE_ATTENTION if f in FAMILIES])
-def test_sparse_attention_models_are_refused_by_name(family: str) -> None:
-    """DeepSeek Sparse Attention caches its indexer's keys beside the latents: MLACache says so
-    at construction instead of failing inside the compiled step."""
-    model = tiny_model(family)
-    with pytest.raises(NotImplementedError, match=r"indexer's keys.*index_topk=4.*default cache"):
-        latent_cache(model)
+def test_sparse_attention_before_latent_attention_is_refused(family: str) -> None:
+    """Before 5.15 the indexer runs around expanded K/V, which MLACache turns into latents only
+    under the rewrite: it refuses sparse-attention models there."""
+    with pytest.raises(NotImplementedError, match=r"index_topk=4.*>= 5\.15.*default cache"):
+        latent_cache(tiny_model(family))
+
+
+@pytest.mark.skipif(not LATENT_ATTENTION, reason="latent caching needs transformers >= 5.15")
+def test_sparse_attention_keys_follow_the_batch() -> None:
+    """The indexer's keys sit in pools of their own beside the latents, on the same pages: beam
+    search and a batch regroup move them with the latents (deepseek_v32, unrewritten, growing
+    cache: the original's tokens)."""
+    model = tiny_model("deepseek_v32")
+    ids, mask = left_padded_batch((4, 9), seed=12)
+    common = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0)
+    want = model.generate(ids, **common, do_sample=False, num_beams=3, num_return_sequences=2)
+    cache = hf_cache.MLACache(model.config, max_length=64, page_size=4)
+    got = model.generate(ids, **common, do_sample=False, num_beams=3, num_return_sequences=2,
+                         **hf_cache.cache_kwargs(model, cache))  # fmt: skip
+    assert torch.equal(got, want)
+    assert sum(p is not None for p in cache.paged.index_pools) == indexed_layers(model)
 
 
 @pytest.mark.skipif(

@@ -140,8 +140,9 @@ SPARSE_ATTENTION = (
     "mistral_large4",
     "glm5_next",
 )
-# Families with layers whose state MLACache does not keep: it refuses them by name.
-NOT_FOR_MLA_CACHE = (*SPARSE_ATTENTION, "bailing_hybrid")
+# Families with layers whose state MLACache does not keep: it refuses them by name (sliding-window
+# or linear-attention layers, an indexer over pooled keys, layers sharing latents).
+NOT_FOR_MLA_CACHE = ("bailing_hybrid", "dots3_note", "mistral_large4", "glm5_next")
 SPARSE_TOP_K = 4
 
 

@@ -205,3 +205,41 @@ def test_errors() -> None:
         small.append(0, torch.randn(B, 1, L), torch.randn(B, 1, R))
     with pytest.raises(ValueError, match="page_size must be a positive int"):
         make(0, static=False)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("page_size", [1, 3, 64])
+def test_indexer_keys_beside_the_latents(page_size: int, static: bool) -> None:
+    """A sparse-attention indexer's keys (one layer of two keeps them) land at the positions of
+    the tokens appended last, read back in token order (static: capacity-long, zero past the
+    length), and follow beam reordering, batch regrouping and cropping with the latents."""
+    cache = make(page_size, static, index_len=8, index_layers=[1])
+    gen = torch.Generator().manual_seed(3)
+    keys = []
+    for new in (5, 1, 1, 70):
+        for layer in range(2):
+            cache.append(layer, torch.randn(B, new, L, generator=gen), torch.randn(B, new, R))
+        keys.append(torch.randn(B, new, 8, generator=gen))
+        cache.append_index(1, keys[-1])
+    expected = torch.cat(keys, dim=1)  # [B, 77, 8]
+
+    def stored_keys() -> torch.Tensor:
+        got, length = cache.index_rows(1), cache.get_seq_length(1)
+        if static:
+            assert got.shape[1] == cache.capacity and not got[:, length:].any()
+        return got[:, :length]
+
+    torch.testing.assert_close(stored_keys(), expected, rtol=0, atol=0)
+    assert cache.index_pools[0] is None and cache.index_bytes_per_token() == 8 * 4
+    with pytest.raises(ValueError, match="layer 0 keeps no indexer keys"):
+        cache.index_rows(0)
+    with pytest.raises(ValueError, match=r"indexer keys must be \[batch=3, S, 8\]"):
+        cache.append_index(1, torch.randn(B, 1, 4))
+    latents = torch.cat(stored_rows(cache, 1), -1)
+    cache.reorder(torch.tensor([2, 2, 0]))
+    torch.testing.assert_close(stored_keys(), expected[[2, 2, 0]], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat(stored_rows(cache, 1), -1), latents[[2, 2, 0]])
+    cache.regroup(torch.tensor([1, 0]))  # [2, 2, 0] -> [2, 2]
+    torch.testing.assert_close(stored_keys(), expected[[2, 2]], rtol=0, atol=0)
+    cache.crop(6)
+    torch.testing.assert_close(stored_keys(), expected[[2, 2], :6], rtol=0, atol=0)
