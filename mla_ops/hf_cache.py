@@ -357,7 +357,10 @@ class MLACache(Cache):
         # The refusals come first: they read no per-layer attribute, which a heterogeneous
         # config (Dots 3 Note's per-layer MLA shapes) refuses to give globally.
         sparse = getattr(text, "index_topk", None) is not None
-        kept = {"full_attention", "indexed_attention"} if sparse else {"full_attention"}
+        # DeepSeek Sparse Attention's layers: "indexed_attention" ("deepseek_sparse_attention"
+        # before transformers 5.15)
+        indexed = {"indexed_attention", "deepseek_sparse_attention"}
+        kept = {"full_attention", *indexed} if sparse else {"full_attention"}
         other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - kept)
         if other_layers:
             # Hybrid models (Kimi Linear, Bailing hybrid, GLM-5 Next) keep recurrent states for
