@@ -764,7 +764,7 @@ def shared_memory_bytes(cfg: DecodeConfig, row_width: int, element_size: int, kv
     stage or less in every tiling compiled. The epilogue converts the float32 ``[block_m, L]``
     accumulator through shared memory too, which bounds 64-row programs at L = 1024 (256 KB).
     Plus 1 KB for barriers. Checked against ``metadata.shared`` of offline sm_90 compiles (NOTES.md
-    items 8 and 75; ``test_shared_memory_bound_holds``).
+    items 8 and 76; ``test_shared_memory_bound_holds``).
     """
     tiles = max(cfg.num_stages, 2) * cfg.block_n
     loop = (cfg.block_m + tiles) * row_width * element_size
@@ -804,7 +804,7 @@ def default_config(
     row = kv_width + (_next_pow2(rope_len) if rope_len else 0)
     # Stages past two first (one stage needs no less than two, shared_memory_bytes), then rows
     # down to 32, then tokens: at L=1024 (64 heads, bf16, H200) 32 x 32 tiles took 445 us where
-    # 32 x 16 took 685 and 16 x 16 559 (NOTES.md item 75).
+    # 32 x 16 took 685 and 16 x 16 559 (NOTES.md item 76).
     while (need := shared_memory_bytes(cfg, row, element_size, kv_width)) > shared_memory:
         if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
@@ -962,7 +962,7 @@ class _DecodeKernel:
         if one_scorer:
             # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
             # Its pipeline is built for two ring slots, even where a narrower row would fit three
-            # (MiniCPM3's L=256, R=32 at 40 heads, NOTES.md item 75).
+            # (MiniCPM3's L=256, R=32 at 40 heads, NOTES.md item 76).
             num_warps, producer_warps, rows_on_m, stages = 4, 0, False, 2
         else:
             producer_warps = wgmma_decode.default_producer_warps(num_warps, gather)

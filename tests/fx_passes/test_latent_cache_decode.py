@@ -88,12 +88,11 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     assert cache.paged.pools[0].nbytes == cache.paged.num_pages * cache.paged.page_size * latent_row
     default = hf_cache.output_cache(want)
     tokens = got.shape[0] * default.get_seq_length()
-    default_bytes = sum(
-        layer.keys.nbytes
-        + layer.values.nbytes
-        + getattr(layer, "indexer_keys", torch.empty(0)).nbytes
-        for layer in default.layers
-    )
+    default_bytes = 0
+    for layer in default.layers:  # an indexer key cache where the layer has one of its own
+        indexer_keys = getattr(layer, "indexer_keys", None)
+        default_bytes += layer.keys.nbytes + layer.values.nbytes
+        default_bytes += indexer_keys.nbytes if indexer_keys is not None else 0
     expanded_row = (
         config.num_attention_heads
         * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)

@@ -289,7 +289,8 @@ def test_default_config_fits_shared_memory() -> None:
 
     bf16_64 = tk.default_config(128, 512, 64, 2, 232448)
     assert bf16_64 == tk.DecodeConfig(64, 64, 8, 2, use_tma=False)  # TMA: 30-46 % slower, H100
-    # Triton reported 221440 B for it on the H200 and offline (NOTES.md items 8, 75)
+    # Triton 3.9 gives it 221440 B offline; the H200's Triton 3.6 reported 221184
+    # (NOTES.md items 8, 76)
     assert 221440 <= tk.shared_memory_bytes(bf16_64, 576, 2, 512) <= 232448
     assert tk.default_config(16, 512, 64, 2, 232448) == tk.DecodeConfig(16, 32, 4, 2)
     # float8 tiles: 64 tokens, one stage, measured fastest on the H100 (NOTES.md item 19)
@@ -300,7 +301,7 @@ def test_default_config_fits_shared_memory() -> None:
         cfg = tk.default_config(rows, kv_len, 64, size, 232448)
         assert tk.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448
     # Dots 3 Note's sliding-window width: 64-row programs' float32 accumulator alone is 256 KB;
-    # of the tilings that fit, 32 x 32 was the fastest measured (NOTES.md item 75)
+    # of the tilings that fit, 32 x 32 was the fastest measured (NOTES.md item 76)
     wide = tk.default_config(128, 1024, 64, 2, 232448)
     assert wide == tk.DecodeConfig(32, 32, 8, 2, use_tma=False)
     with pytest.raises(ValueError, match=r"kv_c width 8192 .* gives a program 232448"):
@@ -315,7 +316,7 @@ def test_default_config_fits_shared_memory() -> None:
 def test_shared_memory_bound_holds(rows: int, kv_len: int, dtype: str) -> None:
     """``shared_memory_bytes`` bounds what the installed Triton gives the default tiling, compiled
     for sm_90 offline (no GPU): a 64-row tiling at L = 1024 that the old estimate took for
-    208896 B asked the H200 for 262144 (NOTES.md item 75)."""
+    208896 B asked the H200 for 262144 (NOTES.md item 76)."""
     from mla_ops import triton_kernels as tk
 
     size = 4 if dtype == "fp32" else 2

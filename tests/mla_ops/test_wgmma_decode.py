@@ -294,7 +294,7 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
 def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -> None:
     """64-row programs over rows narrower than DeepSeek's (MiniCPM3: L=256, R=32, 40 heads), where
     a third ring slot would fit: the one-scorer loop keeps its two (it was handed three and
-    refused, NOTES.md item 75)."""
+    refused, NOTES.md item 76)."""
     case = make_case(
         1340 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=dims, heads=heads,
         s_q=1, lengths=[900, 0, 64, 333], causal=True, pair=False,
