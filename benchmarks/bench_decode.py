@@ -572,6 +572,8 @@ def load_kernel_source(path: str | Path, name: str):
 
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    # Registered first: the module follows itself for the plan caches (plan_cache.follow).
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 

@@ -104,6 +104,7 @@ def compile_wgmma(
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
     pe_dtype: str | None = None, mask: str | None = None, s_q: int = 1,
+    query_in_registers: bool = False, pv_regs: int | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows // s_q`` heads x
     ``s_q``;
@@ -142,7 +143,8 @@ def compile_wgmma(
         PRODUCER_REGS=wd.PRODUCER_REGS[gather],
         ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS, MERGE=merge,
         MERGE_SPLITS=4 if merge else 1, STAMPS=stamps, LONGEST_FIRST=longest_first,
-        HAS_MASK=mask is not None, MASK_IS_BOOL=mask == "bool", num_warps=warps,
+        HAS_MASK=mask is not None, MASK_IS_BOOL=mask == "bool",
+        QUERY_IN_REGISTERS=query_in_registers, PV_REGS=pv_regs or wd.PV_REGS, num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -248,7 +250,10 @@ def resources(compiled) -> dict:
     """Registers, spills and shared memory, read from the cubin by cuobjdump.
 
     Spilled registers show up as a per-thread stack frame (``STACK``; ``LOCAL`` counts only
-    local arrays), so ``spill_bytes`` is the two together.
+    local arrays), so ``spill_bytes`` is the two together. ``hgmma`` and ``wgmma_waits`` count
+    the SASS's warpgroup MMAs and ``WARPGROUP.DEPBAR`` waits: when ptxas lacks the registers to
+    keep a chain of them in flight it serialises them, a wait after every one (its "wgmma ...
+    serialized" notice, which Triton does not pass on).
     """
     cuobjdump = Path(triton.__file__).parent / "backends/nvidia/bin/cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -256,6 +261,9 @@ def resources(compiled) -> dict:
     try:
         text = subprocess.run(
             [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run(
+            [str(cuobjdump), "-sass", f.name], capture_output=True, text=True
         ).stdout
     finally:
         os.unlink(f.name)
@@ -274,6 +282,8 @@ def resources(compiled) -> dict:
         ),
         "tma": ptx.count("cp.async.bulk.tensor"),
         "ptx_lines": ptx.count("\n"),
+        "hgmma": sass.count("HGMMA."),
+        "wgmma_waits": sass.count("WARPGROUP.DEPBAR"),
     }
 
 

@@ -969,6 +969,10 @@ class _DecodeKernel:
             rows_on_m = wgmma_decode.default_rows_on_m(block_m, num_warps, float8) and not masked
         record["wgmma_producer_warps"] = producer_warps
         record["wgmma_rows_on_m"] = rows_on_m
+        query_in_registers = wgmma_decode.default_query_in_registers(
+            one_scorer, kv_len, rope_len, masked
+        )
+        record["wgmma_query_in_registers"] = query_in_registers
         float8_products = wgmma_decode.default_float8_products(block_m, kv_len, float8, gather)
         record["wgmma_float8_products"] = float8_products
         longest_first = wgmma_decode.default_longest_first(
@@ -978,6 +982,8 @@ class _DecodeKernel:
         record["wgmma_order"] = "longest-first" if longest_first else "split-major"
         if log.isEnabledFor(logging.DEBUG):
             loop = "one-scorer" if one_scorer else "rows-on-M" if rows_on_m else "transposed"
+            if query_in_registers:
+                loop += " query-in-registers"
             if float8_products:
                 loop += " float8-products"
             log.debug(
@@ -989,6 +995,7 @@ class _DecodeKernel:
             granule=SPLIT_GRANULE, lengths_per_step=LENGTHS_PER_STEP, gather=gather,
             fill_empty=self.fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
             one_scorer=one_scorer, longest_first=longest_first, float8_products=float8_products,
+            query_in_registers=query_in_registers,
         )  # fmt: skip
 
     def _prepare_triton(

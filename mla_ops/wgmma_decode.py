@@ -19,7 +19,8 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   (``Q^T``) and ``P^T`` are the small N side, also in shared memory. Nothing is padded: 16 heads
   are an N=16 ``wgmma``.
 * per thread: ``O^T`` is ``L x BLOCK_M / 128`` float32 registers (64 for 16 rows), the scores
-  ``BLOCK_N x BLOCK_M / 128`` (8); the query lives in shared memory, not registers.
+  ``BLOCK_N x BLOCK_M / 128`` (8); the query lives in shared memory, not registers (but see
+  the query-in-registers programs below).
 * 64-row programs of a 16-bit cache (DeepSeek's 128 heads) put the rows back on M
   (``_consume_rows_on_m``: ``S = Q K^T``, ``O = P V``, both warpgroups splitting the tile's tokens
   in the scores and the latent columns in the output): with 64 rows the M=64 side is full either
@@ -32,6 +33,11 @@ the MMA and the shared-memory operands explicitly, so here the roles are swapped
   ``m64n64k16`` and runs the softmax, then hands ``P`` to warpgroup 1, a partition of its own
   that issues the copies and takes the other half of P.V (``_score_tiles``, ``_assist_tiles``;
   FlashMLA's split of the work; 17-23 % faster on cases (b) and (f) on an H100, item 44).
+  Over DeepSeek's row (L = 512, R = 64) without a mask, warpgroup 0 keeps the nope query in
+  registers instead (``QUERY_IN_REGISTERS``, ``_score_tiles_qreg``, ``_pv_rest_qreg``, item 78):
+  the freed 64 KB hold a third ring slot, so warpgroup 1 can multiply each tile's P.V once the
+  next tile is scored, under warpgroup 0's softmax (a tile 9-11 % faster; P is written over the
+  tile's dead k_pe part; the output splits 64 + 448 columns, as the query's 128 registers allow).
 * KV tiles arrive through a ring of ``NUM_STAGES`` shared-memory slots filled by TMA (or
   ``cp.async`` gathers) and tracked by mbarriers, so the loads run ahead of the math without any
   warp waiting on them. In 16-row programs a producer partition of its own (warp specialisation:
@@ -637,14 +643,14 @@ def _await_tile(
 
 
 @gluon.jit
-def _zero_rows(tile, keep, io_layout: gl.constexpr):
+def _zero_rows(tile, keep, io_layout: gl.constexpr, ZERO_CHUNK: gl.constexpr = 128):
     """Zero the rows of ``tile [BLOCK_N, W]`` in shared memory where ``keep [BLOCK_N, 1]`` (in
     ``io_layout``) is false, then fence for the wgmma that reads it. In column chunks: a whole
     64 x 512 tile is 128 registers per thread of one warpgroup."""
     WIDTH: gl.constexpr = tile.shape[1]
-    ZERO_CHUNK: gl.constexpr = 128 if WIDTH > 128 else WIDTH
-    for c in gl.static_range(0, WIDTH, ZERO_CHUNK):
-        part = tile.slice(c, ZERO_CHUNK, dim=1)
+    CHUNK: gl.constexpr = ZERO_CHUNK if WIDTH > ZERO_CHUNK else WIDTH
+    for c in gl.static_range(0, WIDTH, CHUNK):
+        part = tile.slice(c, CHUNK, dim=1)
         values = part.load(io_layout)
         part.store(gl.where(keep, values, gl.zeros_like(values)))
     fence_async_shared()
@@ -1488,7 +1494,7 @@ def _store_output_half(
     n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh,
     stride_lk, stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh,
     COL0: gl.constexpr, S_Q: gl.constexpr, H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr,
-    MERGE: gl.constexpr, WITH_LSE: gl.constexpr,
+    MERGE: gl.constexpr, WITH_LSE: gl.constexpr, WIDTH: gl.constexpr = 0,
 ):  # fmt: skip
     """One warpgroup of a one-scorer program stores its output half ``o [BLOCK_M, L/2]``
     (columns ``COL0 ..``) straight from its wgmma accumulator, divided by the row sums ``l_i``
@@ -1501,16 +1507,20 @@ def _store_output_half(
     (stamps, NOTES.md item 48). In this layout a warp's float32 store covers 8 rows x 32 bytes,
     whole sectors. 16-bit final rows would go out in 16-byte pieces, half sectors, which cost
     (f) 2 % (item 48): they are staged through the query's shared memory (``q_smem``, dead once
-    the last tile is scored) and stored 16 bytes a lane, 128 bytes a row."""
+    the last tile is scored) and stored 16 bytes a lane, 128 bytes a row.
+
+    ``WIDTH``: the part's columns when not ``L/2`` (query-in-registers programs; the
+    accumulator's wgmma N is the part's width)."""
+    PART: gl.constexpr = WIDTH if WIDTH > 0 else L // 2
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, L // 2, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, PART, 16]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
     row_ok = rows < S_Q * H
     s_idx = rows // H
     h_idx = rows % H
-    cols = COL0 + gl.arange(0, L // 2, layout=gl.SliceLayout(0, o_layout))
+    cols = COL0 + gl.arange(0, PART, layout=gl.SliceLayout(0, o_layout))
     l_i = gl.convert_layout(l_i, row_layout)
     lse, l_safe = _row_lse(gl.convert_layout(m_i, row_layout), l_i, poisoned)
     out = o * (kv_scale / l_safe)[:, None]
@@ -1518,12 +1528,12 @@ def _store_output_half(
     # The condition spelled out in each if: held in a variable, its constant False (no MERGE)
     # became a runtime branch around a store, which Triton 3.6 fails to lower (NOTES.md item 33).
     if MERGE and n_real == 1:
-        stage = q_smem.slice(COL0, L // 2, dim=1)
+        stage = q_smem.slice(COL0, PART, dim=1)
         stage.store(out.to(q_smem.dtype))
         _thread_barrier()
         wide: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         rows_w = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
-        cols_w = COL0 + gl.arange(0, L // 2, layout=gl.SliceLayout(0, wide))
+        cols_w = COL0 + gl.arange(0, PART, layout=gl.SliceLayout(0, wide))
         out_rows = OUT + b64 * stride_fb + ((rows_w // H) * stride_fs + (rows_w % H) * stride_fh)
         out_ptrs = out_rows[:, None] + cols_w[None, :] * stride_fd
         gl.store(out_ptrs, stage.load(wide), mask=(rows_w < S_Q * H)[:, None])
@@ -1760,6 +1770,239 @@ def _assist_tiles(
 
 
 @gluon.jit
+def _load_query_operand(
+    Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q: gl.constexpr,
+    H: gl.constexpr, COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_M: gl.constexpr,
+    layout: gl.constexpr,
+):  # fmt: skip
+    """Columns ``[COL0, COL0 + WIDTH)`` of the query block ``[BLOCK_M, WIDTH]`` loaded from
+    global memory straight into ``layout`` (rows past ``S_q * H`` are zeros). For the nope
+    query that is the scores' wgmma A-operand registers: converting it from a row layout would
+    take a 64 KB shared-memory scratch that the ring of three leaves no room for."""
+    rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    q_row = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
+    offs_l = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
+    return gl.load(q_row[:, None] + offs_l[None, :] * stride_qd, mask=(rows < S_Q * H)[:, None])
+
+
+@gluon.jit
+def _pv_part(p_smem, kv, o, COL0: gl.constexpr, tile_start, end, alpha):
+    """``o [BLOCK_M, W] * alpha + P V[:, COL0 : COL0 + W]`` (issued, not waited), with the
+    split's stale rows past ``end`` zeroed first in these value columns (P is 0 there; the rows
+    may hold NaN)."""
+    BLOCK_N: gl.constexpr = kv.shape[0]
+    WIDTH: gl.constexpr = o.shape[1]
+    io_layout: gl.constexpr = _copy_layouts(4, False)[0]
+    v = kv.slice(COL0, WIDTH, dim=1)
+    if tile_start + BLOCK_N > end:
+        offs_io = tile_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, io_layout))
+        _zero_rows(v, (offs_io < end)[:, None], io_layout, 32)
+    o = o * alpha[:, None]
+    return warpgroup_mma(p_smem, v, o, is_async=True)
+
+
+@gluon.jit
+def _score_tiles_qreg(
+    kv_ring, pe_ring, q_nope, qpe_smem, alpha_smem, sums_smem, ready, free, s_done, p_ready,
+    sums_ready, done, bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real,
+    bad_before, seqlen, start, end, n_tiles, scale_log2, kv_scale, stride_ob, stride_os,
+    stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb,
+    stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh, STAMP_ROW, S_Q: gl.constexpr,
+    H: gl.constexpr, L: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, MERGE: gl.constexpr, STAMPS: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup 0 of a query-in-registers program (``QUERY_IN_REGISTERS``): per tile the scores
+    ``S [64, BLOCK_N] = Q K^T`` with the nope query as the wgmma's A operand in registers
+    (``q_nope``) and the RoPE query in ``qpe_smem``; ``s_done``; the online softmax; ``P`` into
+    the slot's own k_pe part (dead once scored: the same [64, 64] 16-bit shape and swizzle) and
+    the rescaling factor beside it, ``p_ready``; then its own narrow part of the output,
+    ``O[:, :QREG_COLS] += P V``. Warpgroup 1 (``_pv_rest_qreg``) multiplies the rest of tile
+    ``i`` once tile ``i + 1`` is scored, so that its products run under this warpgroup's softmax.
+
+    Why: in a one-scorer program (``_score_tiles``) the tensor cores wait for every tile's
+    softmax. Running P.V under the next tile's softmax holds each slot one tile longer, which
+    needs a ring of three, and three 72 KB slots fit in shared memory only without the 64 KB
+    query. Registers set the split of P.V: the query takes 128 per thread here, so this
+    warpgroup keeps 64 columns (32) and warpgroup 1 the other 448 (224)."""
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    dtype: gl.constexpr = kv_ring.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QREG_COLS, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    last_key, m_i = _row_start(row_block, seqlen, S_Q, H, BLOCK_M, CAUSAL, row_layout)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=row_layout)
+    o = gl.zeros([BLOCK_M, QREG_COLS], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=s_layout)
+    offs_tile = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        # Stale rows past the split's end stay: their scores are masked, and each P.V zeroes
+        # its own value columns of them (_pv_part).
+        kv = _await_tile(kv_ring, ready, i, tile_start, end, NUM_STAGES, False, False, s_layout)
+        pe = pe_ring.index(slot)
+        s = warpgroup_mma(q_nope, kv.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma(qpe_smem, pe.permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        if i == 0:
+            _stamp(STAMP_ROW, STAMP_FIRST_TILE, STAMPS)
+        # Every warp's reads of the slot's k_pe are done before P overwrites it.
+        _thread_barrier()
+        mbarrier.arrive(s_done.index(slot), count=1)
+        p, m_i, l_i, alpha = _online_softmax(
+            s, m_i, l_i, tile_start + offs_tile, end, last_key, scale_log2, 1
+        )
+        pe.store(p.to(dtype))
+        alpha_smem.index(slot).store(alpha)
+        fence_async_shared()
+        _thread_barrier()
+        mbarrier.arrive(p_ready.index(slot), count=1)
+        o = _pv_part(
+            pe, kv, o, 0, tile_start, end, gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))
+        )
+        o = warpgroup_mma_wait(num_outstanding=0, deps=(o,))
+        _thread_barrier()
+        mbarrier.arrive(free.index(slot), count=1)
+    _stamp(STAMP_ROW, STAMP_LOOP_END, STAMPS)
+    sums_smem.store(l_i)
+    _thread_barrier()
+    mbarrier.arrive(sums_ready, count=1)
+    _stamp(STAMP_ROW, STAMP_SUMS_HANDED, STAMPS)
+    mbarrier.wait(done, 0)
+    io_layout: gl.constexpr = _copy_layouts(4, False)[0]
+    poisoned = bad_before + gl.sum(bad_smem.load(gl.SliceLayout(1, io_layout)), 0) > 0
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o, m_i, l_i, poisoned, kv_scale, b64,
+        row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
+        stride_gb, stride_gs, stride_gh, 0, S_Q, H, L, BLOCK_M, MERGE, True, QREG_COLS,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _pv_rest_qreg(
+    KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, alpha_smem, sums_smem, ready, free,
+    s_done, p_ready, sums_ready, done, stored, bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64,
+    row_block, split, n_real, bad_before, start, end, n_tiles, kv_scale, stride_btb, stride_btp,
+    NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet, stride_ob, stride_os,
+    stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk, stride_fb,
+    stride_fs, stride_fh, stride_fd, stride_gb, stride_gs, stride_gh, S_Q: gl.constexpr,
+    H: gl.constexpr, PAGE_SIZE: gl.constexpr, L: gl.constexpr, R: gl.constexpr,
+    CHUNK: gl.constexpr, BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, MERGE: gl.constexpr,
+    STAMP_ROW, STAMPS: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup 1 of a query-in-registers program: ``O[:, QREG_COLS:] += P V`` per tile (448
+    columns as 256 + 128 + 64: a wgmma's N is at most 256 and a tensor's shape a power of two),
+    issued once warpgroup 0 has handed over the
+    tile's ``P`` (``p_ready``) and scored the next tile (``s_done``), so that the products run
+    under that tile's softmax. Then, once warpgroup 0 is done with the slot too (``free`` counts
+    both), the copy of the tile ``NUM_STAGES`` ahead into it (the first ``NUM_STAGES`` were
+    issued before the partitions), and the tokens at invalid cache locations counted into
+    ``bad_smem`` (``done``). At the end its columns are stored with the final row sums
+    (``sums_ready``), then ``stored``."""
+    BLOCK_N: gl.constexpr = kv_ring.shape[1]
+    io_layout: gl.constexpr = _copy_layouts(4, False)[0]
+    gl.static_assert(L == 512 and QREG_COLS == 64)
+    # Each part starts at a multiple of its width: a swizzled tile is sliced only so.
+    COL_A: gl.constexpr = 256
+    COL_B: gl.constexpr = 128
+    COL_C: gl.constexpr = 64
+    a_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16]
+    )
+    b_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 16]
+    )
+    c_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16]
+    )
+    n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, io_layout))
+    o_a = gl.zeros([BLOCK_M, 256], gl.float32, layout=a_layout)
+    o_b = gl.zeros([BLOCK_M, 128], gl.float32, layout=b_layout)
+    o_c = gl.zeros([BLOCK_M, 64], gl.float32, layout=c_layout)
+    for i in range(n_tiles):
+        slot = i % NUM_STAGES
+        tile_start = start + i * BLOCK_N
+        next_start = start + (i + NUM_STAGES) * BLOCK_N
+        # Located before the waits: the lookup's latency overlaps them.
+        next_where, bad = _locate_tile(
+            BLOCK_TABLE, b64, next_start, end, stride_btb, stride_btp, NUM_PAGES, MAX_PAGES,
+            PAGE_SIZE, BLOCK_N, False, io_layout,
+        )  # fmt: skip
+        n_bad += bad
+        mbarrier.wait(p_ready.index(slot), (i // NUM_STAGES) & 1)
+        if i == 0 and n_tiles > NUM_STAGES - 1:
+            # The prologue's missing tile, into a slot never used yet.
+            late_start = start + (NUM_STAGES - 1) * BLOCK_N
+            late_where, late_bad = _locate_tile(
+                BLOCK_TABLE, b64, late_start, end, stride_btb, stride_btp, NUM_PAGES,
+                MAX_PAGES, PAGE_SIZE, BLOCK_N, False, io_layout,
+            )  # fmt: skip
+            n_bad += late_bad
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, NUM_STAGES - 1, late_start,
+                late_where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, True,
+                False, L, R, CHUNK, io_layout, io_layout,
+            )  # fmt: skip
+        if i + 1 < n_tiles:
+            mbarrier.wait(s_done.index((i + 1) % NUM_STAGES), ((i + 1) // NUM_STAGES) & 1)
+        alpha = alpha_smem.index(slot).load(gl.SliceLayout(1, a_layout))
+        kv = kv_ring.index(slot)
+        p_smem = pe_ring.index(slot)
+        o_a = _pv_part(p_smem, kv, o_a, COL_A, tile_start, end, alpha)
+        alpha_b = gl.convert_layout(alpha, gl.SliceLayout(1, b_layout))
+        o_b = _pv_part(p_smem, kv, o_b, COL_B, tile_start, end, alpha_b)
+        alpha_c = gl.convert_layout(alpha, gl.SliceLayout(1, c_layout))
+        o_c = _pv_part(p_smem, kv, o_c, COL_C, tile_start, end, alpha_c)
+        o_a, o_b, o_c = warpgroup_mma_wait(num_outstanding=0, deps=(o_a, o_b, o_c))
+        # Every warp's reads of the slot done; the copy waits for warpgroup 0's too.
+        _thread_barrier()
+        mbarrier.arrive(free.index(slot), count=1)
+        if i + NUM_STAGES < n_tiles:
+            mbarrier.wait(free.index(slot), (i // NUM_STAGES) & 1)
+            _copy_tile(
+                KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, slot, next_start, next_where,
+                stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, True, False, L, R,
+                CHUNK, io_layout, io_layout,
+            )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_ASSIST_END, STAMPS)
+    bad_smem.store(n_bad)
+    _thread_barrier()
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(sums_ready, 0)
+    l_i = sums_smem.load(gl.SliceLayout(1, a_layout))
+    poisoned = bad_before + gl.sum(n_bad, 0) > 0
+    # Final 16-bit rows (MERGE, one chunk) are staged in slot 0's columns of each part: no P.V
+    # reads it any more, and every copy has landed.
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_a, l_i, l_i, poisoned, kv_scale, b64,
+        row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
+        stride_gb, stride_gs, stride_gh, COL_A, S_Q, H, L, BLOCK_M, MERGE, False, 256,
+    )  # fmt: skip
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_b, l_i, l_i, poisoned, kv_scale, b64,
+        row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
+        stride_gb, stride_gs, stride_gh, COL_B, S_Q, H, L, BLOCK_M, MERGE, False, 128,
+    )  # fmt: skip
+    _store_output_half(
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_c, l_i, l_i, poisoned, kv_scale, b64,
+        row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+        stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
+        stride_gb, stride_gs, stride_gh, COL_C, S_Q, H, L, BLOCK_M, MERGE, False, 64,
+    )  # fmt: skip
+    _stamp(STAMP_ROW, STAMP_ASSIST_STORED, STAMPS)
+    # The stores issued by every warp before the arrival (a merging program's release follows).
+    _thread_barrier()
+    mbarrier.arrive(stored, count=1)
+
+
+@gluon.jit
 def _allocate_ring(
     SRC, DESC, WIDTH: gl.constexpr, NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     GATHER: gl.constexpr,
@@ -1839,6 +2082,8 @@ def _mla_decode_wgmma_kernel(
     LONGEST_FIRST: gl.constexpr,  # BALANCED, batch <= BLOCK_B: _longest_first's order
     HAS_MASK: gl.constexpr,  # an attention mask (the transposed and one-scorer loops)
     MASK_IS_BOOL: gl.constexpr,
+    QUERY_IN_REGISTERS: gl.constexpr,  # ONE_SCORER: _score_tiles_qreg, _pv_rest_qreg, ring of 3
+    PV_REGS: gl.constexpr,  # QUERY_IN_REGISTERS: registers per thread of warpgroup 1
     num_warps: gl.constexpr,
 ):  # fmt: skip
     pid = gl.program_id(0)
@@ -1861,13 +2106,26 @@ def _mla_decode_wgmma_kernel(
     )
     # One scorer: warpgroup 0 is the kernel's 4 warps, warpgroup 1 a partition of its own; two
     # P buffers match a ring of two (_score_tiles); the copy engine's whole-page tiles only.
+    ONE_SCORER_STAGES: gl.constexpr = 3 if QUERY_IN_REGISTERS else 2
     gl.static_assert(
         not ONE_SCORER
         or (
-            BLOCK_M == 64 and num_warps == 4 and NUM_STAGES == 2 and not KV_FP8 and not GATHER
-            and PRODUCER_WARPS == 0 and not ROWS_ON_M
+            BLOCK_M == 64 and num_warps == 4 and NUM_STAGES == ONE_SCORER_STAGES
+            and not KV_FP8 and not GATHER and PRODUCER_WARPS == 0 and not ROWS_ON_M
         )
     )  # fmt: skip
+    # Query in registers: P takes the place of each slot's [64, 64] k_pe once it is scored.
+    gl.static_assert(
+        not QUERY_IN_REGISTERS
+        or (
+            ONE_SCORER
+            and HAS_PE
+            and L == 512
+            and R == BLOCK_N
+            and BLOCK_M == BLOCK_N
+            and not HAS_MASK
+        )
+    )
     gl.static_assert(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
@@ -1966,11 +2224,13 @@ def _mla_decode_wgmma_kernel(
             gl.float8e4nv, [2 * BLOCK_M, L],
             gl.NVMMASharedLayout.get_default_for([2 * BLOCK_M, L], gl.float8e4nv),
         )  # fmt: skip
-    else:
+    elif not QUERY_IN_REGISTERS:
         q_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, L], gl.NVMMASharedLayout.get_default_for([BLOCK_M, L], dtype)
         )
     kv_ring = _allocate_ring(KV, KV_DESC, L, NUM_STAGES, BLOCK_N, GATHER)
+    if QUERY_IN_REGISTERS:
+        q_smem = kv_ring  # unused: the nope query lives in warpgroup 0's registers
     if KV_FP8 and not FLOAT8_PRODUCTS:
         stage = gl.allocate_shared_memory(
             dtype, [BLOCK_N, L], gl.NVMMASharedLayout.get_default_for([BLOCK_N, L], dtype)
@@ -2009,6 +2269,8 @@ def _mla_decode_wgmma_kernel(
         max_smem = gl.allocate_shared_memory(
             gl.float32, [2, 4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
         )  # fmt: skip
+    elif QUERY_IN_REGISTERS:
+        p_smem = pe_ring  # P is written over each slot's k_pe (_score_tiles_qreg)
     elif ROWS_ON_M or ONE_SCORER:
         p_smem = gl.allocate_shared_memory(
             dtype, [BLOCK_M, BLOCK_N],
@@ -2021,7 +2283,7 @@ def _mla_decode_wgmma_kernel(
         )  # fmt: skip
     if not FLOAT8_PRODUCTS:
         max_smem = p_smem  # unused: Triton's reduction across warps
-    if ONE_SCORER:
+    if ONE_SCORER and not QUERY_IN_REGISTERS:
         # The factor that rescales the output before each tile's P.V, beside P; P (and it)
         # handed to warpgroup 1 and back.
         alpha_smem = gl.allocate_shared_memory(
@@ -2049,13 +2311,120 @@ def _mla_decode_wgmma_kernel(
     copiers: gl.constexpr = (PRODUCER_WARPS if PRODUCER_WARPS > 0 else num_warps) * 32
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=copiers if GATHER else 1)
-        mbarrier.init(free.index(i), count=1)
+        # Query in registers: a slot is free once both P.V warpgroups are done with it.
+        mbarrier.init(free.index(i), count=2 if QUERY_IN_REGISTERS else 1)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
     # Tokens at an invalid cache location, counted per tile row as tiles are located (a scalar
     # sum per tile costs a cross-warp reduction; summed once at the end).
     n_bad = gl.zeros([BLOCK_N], gl.int32, layout=gl.SliceLayout(1, gather_layout))
-    if PRODUCER_WARPS > 0:
+    if QUERY_IN_REGISTERS:
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        # The query's loads go out first (NOTES.md item 43), 16 bytes a load; the prologue's
+        # copies follow.
+        q_rows = _load_query_operand(
+            Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, 0, L, BLOCK_M,
+            io_layout,
+        )  # fmt: skip
+        qpe_smem.store(
+            _load_query_operand(
+                Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R,
+                BLOCK_M, io_layout,
+            )
+        )  # fmt: skip
+        fence_async_shared()
+        _thread_barrier()
+        # One factor row per slot (a power of two of rows: the shape must be).
+        alpha_smem = gl.allocate_shared_memory(
+            gl.float32, [4, BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        sums_smem = gl.allocate_shared_memory(
+            gl.float32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        bad_smem = gl.allocate_shared_memory(
+            gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
+        # s_done: a slot's tile is scored; p_ready: its P and factor are in; sums_ready: the
+        # final row sums; done: the producer's invalid-token count; stored: both output halves.
+        s_done = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(s_done.index(i), count=1)
+            mbarrier.init(p_ready.index(i), count=1)
+        sums_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        stored = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(sums_ready, count=1)
+        mbarrier.init(done, count=1)
+        mbarrier.init(stored, count=1)
+        # Prologue: the first NUM_STAGES - 1 tiles; warpgroup 1 copies the rest, the next one
+        # once the first is scored (every program asks for its query and first tiles at once,
+        # and a third tile in that burst only delays the first scores).
+        for i in gl.static_range(NUM_STAGES - 1):
+            if i < n_tiles:
+                where, bad = _locate_tile(
+                    BLOCK_TABLE, b64, start + i * BLOCK_N, end, stride_btb, stride_btp,
+                    NUM_PAGES, MAX_PAGES, PAGE_SIZE, BLOCK_N, False, gather_layout,
+                )  # fmt: skip
+                n_bad += bad
+                _copy_tile(
+                    KV_DESC, PE_DESC, KV, PE, kv_ring, pe_ring, ready, i, start + i * BLOCK_N,
+                    where, stride_kvp, stride_kvt, stride_pep, stride_pet, PAGE_SIZE, HAS_PE,
+                    False, L, R, CHUNK, gather_layout, io_layout,
+                )  # fmt: skip
+        bad_before = gl.sum(n_bad, 0)
+        # Into the wgmma's A-operand registers through the last ring slot, whose first tile is
+        # copied only once tile 0 is scored (loaded straight into that layout, the query took
+        # 128 4-byte loads per thread).
+        q_stage = kv_ring.index(NUM_STAGES - 1)
+        q_stage.store(q_rows)
+        _thread_barrier()
+        q_nope = q_stage.load(gl.DotOperandLayout(0, s_layout, 2))
+        _stamp(STAMP_ROW, STAMP_QUERY, STAMPS)
+        gl.warp_specialize(
+            [
+                (
+                    _score_tiles_qreg,
+                    (
+                        kv_ring, pe_ring, q_nope, qpe_smem, alpha_smem, sums_smem, ready, free,
+                        s_done, p_ready, sums_ready, done, bad_smem, O_PART, LSE_PART, OUT,
+                        LSE_OUT, b64, row_block, split, n_real, bad_before, seqlen, start, end,
+                        n_tiles, scale_log2, kv_scale, stride_ob, stride_os, stride_oh,
+                        stride_ok, stride_od, stride_lb, stride_ls, stride_lh, stride_lk,
+                        stride_fb, stride_fs, stride_fh, stride_fd, stride_gb, stride_gs,
+                        stride_gh, STAMP_ROW, S_Q, H, L, BLOCK_M, NUM_STAGES, CAUSAL, MERGE,
+                        STAMPS,
+                    ),
+                ),
+                (
+                    _pv_rest_qreg,
+                    (
+                        KV_DESC, PE_DESC, KV, PE, BLOCK_TABLE, kv_ring, pe_ring, alpha_smem,
+                        sums_smem, ready, free, s_done, p_ready, sums_ready, done, stored,
+                        bad_smem, O_PART, LSE_PART, OUT, LSE_OUT, b64, row_block, split, n_real,
+                        bad_before, start, end, n_tiles, kv_scale, stride_btb, stride_btp,
+                        NUM_PAGES, MAX_PAGES, stride_kvp, stride_kvt, stride_pep, stride_pet,
+                        stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb,
+                        stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh,
+                        stride_fd, stride_gb, stride_gs, stride_gh, S_Q, H, PAGE_SIZE, L, R,
+                        CHUNK, BLOCK_M, NUM_STAGES, MERGE, STAMP_ROW, STAMPS,
+                    ),
+                ),
+            ],
+            [4],
+            [PV_REGS],
+        )  # fmt: skip
+        # Warpgroup 1's stores issued.
+        mbarrier.wait(stored, 0)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(s_done.index(i))
+            mbarrier.invalidate(p_ready.index(i))
+        mbarrier.invalidate(sums_ready)
+        mbarrier.invalidate(done)
+        mbarrier.invalidate(stored)
+    elif PRODUCER_WARPS > 0:
         # Warp specialisation: the producer warps copy, these warps (the default partition) do
         # the math.
         done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -2276,6 +2645,17 @@ FP8_CONVERT_CHUNK = 256
 # of the output is 128 float32 per thread.
 ASSIST_REGS = 232
 
+# One-scorer programs with the nope query in warpgroup 0's registers and a ring of three, P.V
+# under the next tile's softmax (_score_tiles_qreg, NOTES.md item 78), where P fits a k_pe slot
+# (R = 64) and no mask is given; False keeps every one-scorer program on _score_tiles.
+QUERY_IN_REGISTERS = True
+
+# Registers per thread of such a program's warpgroup 1: 448 columns of output, 224 float32.
+PV_REGS = 256
+
+# Output columns of such a program's warpgroup 0 (beside the query's 128 registers per thread).
+QREG_COLS = gl.constexpr(64)
+
 # Registers per thread of the producer partition (setmaxnreg; a multiple of 8 from 24): TMA
 # issue is a few scalars, a gather holds its row addresses. (TMA, gather)
 PRODUCER_REGS = (40, 88)
@@ -2297,6 +2677,16 @@ def default_rows_on_m(block_m: int, num_warps: int, float8: bool) -> bool:
     loop, which converts each tile once for both products). The op asks only where
     ``default_one_scorer`` declines: gathered tiles."""
     return block_m == 64 and num_warps == 8 and not float8
+
+
+def default_query_in_registers(one_scorer: bool, kv_len: int, rope_len: int, masked: bool) -> bool:
+    """Whether a one-scorer program keeps the nope query in registers and a ring of three
+    (``_score_tiles_qreg``): ``QUERY_IN_REGISTERS``, for DeepSeek's row (``kv_len`` 512, whose
+    output the two warpgroups split 64 + 448; ``rope_len`` 64, a k_pe slot that P fits), no
+    mask."""
+    return (
+        QUERY_IN_REGISTERS and one_scorer and kv_len == 512 and rope_len == BLOCK_N and not masked
+    )
 
 
 def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
@@ -2381,6 +2771,7 @@ def launch(
     longest_first: bool | None = None,
     float8_products: bool | None = None,
     attn_mask: torch.Tensor | None = None,
+    query_in_registers: bool | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -2393,6 +2784,7 @@ def launch(
         fill_empty=fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
         one_scorer=one_scorer, merge_into=merge_into, stamps=stamps, longest_first=longest_first,
         float8_products=float8_products, attn_mask=attn_mask,
+        query_in_registers=query_in_registers,
     )  # fmt: skip
     data = launch_data(
         q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, gather,
@@ -2469,6 +2861,7 @@ def prepare(
     longest_first: bool | None = None,
     float8_products: bool | None = None,
     attn_mask: torch.Tensor | None = None,
+    query_in_registers: bool | None = None,
 ) -> PreparedLaunch:
     """The kernel's launch for these tensors' shapes, strides and dtypes, into preallocated
     partials ``out``/``lse``, with each call's data left as slots (``launch_data`` fills them).
@@ -2511,6 +2904,22 @@ def prepare(
             )
         rows_on_m = False
         producer_warps = 0
+    if query_in_registers is None:
+        query_in_registers = default_query_in_registers(
+            one_scorer, kv_c.shape[-1], k_pe.shape[-1], attn_mask is not None
+        )
+    if query_in_registers:
+        if (
+            not one_scorer or kv_c.shape[-1] != 512 or k_pe.shape[-1] != BLOCK_N
+            or attn_mask is not None
+        ):  # fmt: skip
+            raise ValueError(
+                "query_in_registers: expected one_scorer over a kv_c width of 512 and a k_pe "
+                f"width of {BLOCK_N}, no attn_mask; got one_scorer={one_scorer}, kv_c width "
+                f"{kv_c.shape[-1]}, k_pe width {k_pe.shape[-1]}, attn_mask "
+                f"{'given' if attn_mask is not None else 'None'}"
+            )
+        num_stages = 3
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8) and attn_mask is None
     if attn_mask is not None and rows_on_m:
@@ -2620,6 +3029,8 @@ def prepare(
         LONGEST_FIRST=longest_first,
         HAS_MASK=attn_mask is not None,
         MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+        QUERY_IN_REGISTERS=query_in_registers,
+        PV_REGS=PV_REGS,
         num_warps=num_warps,
     )
     return PreparedLaunch(_mla_decode_wgmma_kernel, grid, args, constexprs)

@@ -301,6 +301,8 @@ def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -
     )  # fmt: skip
     out, lse = run(kernels, case)
     assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
+    # The query stays in shared memory: its register split is DeepSeek's row's (L = 512).
+    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is False
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
@@ -546,14 +548,20 @@ def test_64_row_programs_either_orientation(
     [(128, 1, 64, [0, 1, 64, 65, 700]), (128, 2, 64, [2, 130, 0]), (43, 3, 64, [3, 200, 64]),
      (64, 1, 128, [4097, 63])],
 )  # fmt: skip
+@pytest.mark.parametrize("query_in_registers", [False, True])
 def test_one_scorer_programs(
-    kernels, heads: int, s_q: int, page_size: int, lengths: list[int]
-) -> None:
+    kernels, monkeypatch, heads: int, s_q: int, page_size: int, lengths: list[int],
+    query_in_registers: bool,
+) -> None:  # fmt: skip
     """64-row programs of a 16-bit cache with copy-engine tiles are one-scorer programs (the op's
     default: warpgroup 0 scores whole tiles and hands P to warpgroup 1, ``launch(one_scorer=True)``)
     and match the float64 reference: empty, 1-token and tile-edge lengths, causal S_q > 1, a
     partial last row block (43 heads x 3), several splits, pages of two tiles; a bad page id makes
-    only its split's rows NaN; the same bits on a second call."""
+    only its split's rows NaN; the same bits on a second call. Also with the nope query in
+    warpgroup 0's registers and a ring of three (``wgmma_decode.QUERY_IN_REGISTERS``)."""
+    from mla_ops import wgmma_decode
+
+    monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
     case = make_case(
         29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
         heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
@@ -561,6 +569,7 @@ def test_one_scorer_programs(
     out, lse = run(kernels, case)
     assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
     assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
+    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     again = run(kernels, case)
@@ -569,9 +578,14 @@ def test_one_scorer_programs(
 
 
 @requires_hopper
-def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
+@pytest.mark.parametrize("query_in_registers", [False, True])
+def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch, query_in_registers: bool) -> None:
     """``mla::attention`` over one-scorer programs with the in-kernel merge: both output halves
-    (warpgroup 1's through shared memory) reach the final rows and the merge's partials."""
+    (warpgroup 1's through shared memory) reach the final rows and the merge's partials; also
+    with the query in registers (every output part, the one-chunk rows staged in a ring slot)."""
+    from mla_ops import wgmma_decode
+
+    monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
     monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
     case = make_case(
         61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), heads=128, s_q=2, page_size=64,
@@ -580,6 +594,7 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch) -> None:
     out, lse = kernels.attention(*case.op_args())
     assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
     assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
+    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
     assert not kernels.arrival_counters(case.q.device, 1).any()
@@ -1244,6 +1259,38 @@ def test_float8_products_choice_and_its_checks() -> None:
         )  # fmt: skip
 
 
+def test_query_in_registers_choice_and_its_checks() -> None:
+    """``default_query_in_registers``: one-scorer programs over DeepSeek's row (L = 512, R = 64)
+    without a mask only; ``launch(query_in_registers=True)`` elsewhere is refused, naming what it
+    expected; ``QUERY_IN_REGISTERS = False`` turns the choice off."""
+    if not _gluon_available():
+        pytest.skip("Triton without Gluon's Hopper module")
+    from mla_ops import wgmma_decode
+
+    choice = wgmma_decode.default_query_in_registers
+    assert choice(True, 512, 64, False)
+    assert not choice(False, 512, 64, False)  # not a one-scorer program
+    assert not choice(True, 256, 64, False)  # the 64 + 448 column split is L = 512's
+    assert not choice(True, 512, 32, False)  # P fits a k_pe slot of 64 columns only
+    assert not choice(True, 512, 64, True)  # masked calls keep the two-slot loop
+    original = wgmma_decode.QUERY_IN_REGISTERS
+    try:
+        wgmma_decode.QUERY_IN_REGISTERS = False
+        assert not choice(True, 512, 64, False)
+    finally:
+        wgmma_decode.QUERY_IN_REGISTERS = original
+    case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(256, 64), heads=64, s_q=1,
+                     pair=True, lengths=[64])  # fmt: skip
+    out = torch.empty(1, 1, 64, 1, 256)
+    lse = torch.empty(1, 1, 64, 1)
+    with pytest.raises(ValueError, match="query_in_registers: expected one_scorer over a kv_c"):
+        wgmma_decode.launch(
+            case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse, 0.1,
+            None, False, 1, None, block_m=64, num_warps=4, num_stages=2, min_chunk=256,
+            granule=64, lengths_per_step=128, one_scorer=True, query_in_registers=True,
+        )  # fmt: skip
+
+
 def test_float8_products_view_of_the_ring_slot() -> None:
     """``_VT_OFFSET_BASES`` reads a copy-engine float8 slot (``[64, 512]``, 128-byte swizzle: four
     ``[64, 128-byte]`` slabs, each row's 16-byte units XOR its low 3 bits) as 16-bit pairs
@@ -1323,6 +1370,31 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     assert res["cg_v4"] <= 64, res
     # 2 warpgroups x 64 rows x 256 columns of float32, 2 values a store: 128 stores in the code.
     assert res["st_v2"] >= 128 and (res["st_v4"] > 0) == merge, res
+
+
+@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
+@pytest.mark.parametrize("merge", [False, True])
+def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> None:
+    """``query_in_registers`` (NOTES.md item 78): the nope scores are 32 ``m64n64k16`` with the
+    query as the A operand in registers (plus 4 for RoPE from shared memory); P.V is warpgroup
+    0's 64 columns (4 ``m64n64k16``) and warpgroup 1's 448 (4 each of ``m64n256k16``,
+    ``m64n128k16``, ``m64n64k16``). A ring of three 72 KB slots fits one SM's shared memory only
+    without the query there. ptxas keeps the products in flight: a handful of ``WARPGROUP.DEPBAR``
+    waits in the whole kernel, as the two-slot one-scorer build has, where a build short of
+    registers (three warpgroups of 168) had one after each of its 52 products and spilled the
+    query."""
+    res = offline_compile(
+        f"k = oc.compile_wgmma(64, 3, warps=4, one_scorer=True, query_in_registers=True, "
+        f"merge={merge}); r = oc.resources(k); ptx = k.asm['ptx']; import re; "
+        "r['rs'] = len(re.findall(r'm64n64k16\\.f32\\.bf16\\.bf16\\s+\\{[^}]*\\},\\s*\\{', ptx)); "
+        "r['m64n64'] = ptx.count('m64n64k16'); r['m64n128'] = ptx.count('m64n128k16'); "
+        "r['m64n256'] = ptx.count('m64n256k16'); print(r)"
+    )
+    assert res["rs"] == 32 and res["m64n64"] == 44, res
+    assert res["m64n128"] == 4 and res["m64n256"] == 4 and res["mma.sync"] == 0, res
+    assert res["hgmma"] == 52 and res["wgmma_waits"] <= 8, res
+    assert res["shared_bytes"] <= 232448, res
+    assert res["spill_bytes"] < 256, res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
