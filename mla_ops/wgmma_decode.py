@@ -1977,12 +1977,13 @@ def _pv_rest_qreg(
     l_i = sums_smem.load(gl.SliceLayout(1, a_layout))
     poisoned = bad_before + gl.sum(n_bad, 0) > 0
     # Final 16-bit rows (MERGE, one chunk) are staged in slot 0's columns of each part: no P.V
-    # reads it any more, and every copy has landed.
+    # reads it any more, and every copy has landed. Smallest part first: converting the widest
+    # while the other two are still held spilled 224 bytes a thread (Triton 3.6).
     _store_output_half(
-        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_a, l_i, l_i, poisoned, kv_scale, b64,
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_c, l_i, l_i, poisoned, kv_scale, b64,
         row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
         stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
-        stride_gb, stride_gs, stride_gh, COL_A, S_Q, H, L, BLOCK_M, MERGE, False, 256,
+        stride_gb, stride_gs, stride_gh, COL_C, S_Q, H, L, BLOCK_M, MERGE, False, 64,
     )  # fmt: skip
     _store_output_half(
         O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_b, l_i, l_i, poisoned, kv_scale, b64,
@@ -1991,10 +1992,10 @@ def _pv_rest_qreg(
         stride_gb, stride_gs, stride_gh, COL_B, S_Q, H, L, BLOCK_M, MERGE, False, 128,
     )  # fmt: skip
     _store_output_half(
-        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_c, l_i, l_i, poisoned, kv_scale, b64,
+        O_PART, LSE_PART, OUT, LSE_OUT, kv_ring.index(0), o_a, l_i, l_i, poisoned, kv_scale, b64,
         row_block, split, n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
         stride_lb, stride_ls, stride_lh, stride_lk, stride_fb, stride_fs, stride_fh, stride_fd,
-        stride_gb, stride_gs, stride_gh, COL_C, S_Q, H, L, BLOCK_M, MERGE, False, 64,
+        stride_gb, stride_gs, stride_gh, COL_A, S_Q, H, L, BLOCK_M, MERGE, False, 256,
     )  # fmt: skip
     _stamp(STAMP_ROW, STAMP_ASSIST_STORED, STAMPS)
     # The stores issued by every warp before the arrival (a merging program's release follows).
