@@ -2312,7 +2312,7 @@ def _mla_decode_wgmma_kernel(
     copiers: gl.constexpr = (PRODUCER_WARPS if PRODUCER_WARPS > 0 else num_warps) * 32
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(i), count=copiers if GATHER else 1)
-        # Query in registers: a slot is free once both P.V warpgroups are done with it.
+        # Query in registers: a slot is free once both warpgroups' P.V parts are done with it.
         mbarrier.init(free.index(i), count=2 if QUERY_IN_REGISTERS else 1)
 
     n_tiles = gl.cdiv(end - start, BLOCK_N)
