@@ -1775,10 +1775,10 @@ def _load_query_operand(
     H: gl.constexpr, COL0: gl.constexpr, WIDTH: gl.constexpr, BLOCK_M: gl.constexpr,
     layout: gl.constexpr,
 ):  # fmt: skip
-    """Columns ``[COL0, COL0 + WIDTH)`` of the query block ``[BLOCK_M, WIDTH]`` loaded from
-    global memory straight into ``layout`` (rows past ``S_q * H`` are zeros). For the nope
-    query that is the scores' wgmma A-operand registers: converting it from a row layout would
-    take a 64 KB shared-memory scratch that the ring of three leaves no room for."""
+    """Columns ``[COL0, COL0 + WIDTH)`` of the query block, ``[BLOCK_M, WIDTH]`` loaded from
+    global memory in ``layout`` (rows past ``S_q * H`` are zeros): a query-in-registers
+    program's nope query (then taken into the wgmma's A-operand layout through a ring slot) and
+    its RoPE query."""
     rows = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
     q_row = Q + b64 * stride_qb + (rows // H) * stride_qs + (rows % H) * stride_qh
     offs_l = COL0 + gl.arange(0, WIDTH, layout=gl.SliceLayout(0, layout))
@@ -2348,7 +2348,8 @@ def _mla_decode_wgmma_kernel(
             gl.int32, [BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         )
         # s_done: a slot's tile is scored; p_ready: its P and factor are in; sums_ready: the
-        # final row sums; done: the producer's invalid-token count; stored: both output halves.
+        # final row sums; done: warpgroup 1's invalid-token count; stored: warpgroup 1's output
+        # parts issued.
         s_done = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
@@ -2891,6 +2892,10 @@ def prepare(
     phase stamps (``STAMP_FIELDS``; the op never passes one).
     attn_mask: ``[B, S_q, T_m]`` bool or float (``mla::decode``'s rules), read by the transposed
     and one-scorer loops (not ``rows_on_m``).
+    query_in_registers: a one-scorer program keeps the nope query in warpgroup 0's registers and
+    a ring of three (``_score_tiles_qreg``; ``num_stages`` is then 3; None:
+    ``default_query_in_registers``); only over ``kv_c`` width 512 and ``k_pe`` width 64,
+    unmasked, else refused.
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
