@@ -663,30 +663,29 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
         torch.cuda.empty_cache()
 
     # Split into decode and combine: the combine's share of the total is what it adds to the
-    # call, mla_decode minus its decode alone (the same plan, partials in the dtype the call
-    # keeps them in, no zeros for empty splits, graph replays of the same rotated inputs). The
-    # combine timed alone in a graph of its own is reported too; that figure carries a lone
-    # graph's launch (NOTES.md item 27). Where the decode kernel merges the splits itself
-    # (``merge``: no combine kernel, NOTES.md item 29), the share is what writing the output and
-    # merging add to a decode writing float32 partials, and can be negative.
+    # call, mla_decode minus its decode alone (the same plan, no zeros for empty splits, graph
+    # replays of the same rotated inputs). The combine timed alone in a graph of its own is
+    # reported too; that figure carries a lone graph's launch (NOTES.md item 27). Where the
+    # decode kernel merges the splits itself (``merge``: no combine kernel, NOTES.md item 29),
+    # the share is what writing the output and merging add to a decode writing float32
+    # partials, and can be negative.
     from mla_ops import triton_kernels as tk
 
     decode_out(first)
     merge = tk.LAST_LAUNCH.get("merge", "")
-    partials = tk.LAST_LAUNCH.get("partials", "")
 
     plan = planned(case, first)
     args = [i.op_args(*plan) for i in copies]
-    t_decode = time_rotating([graphed(lambda a=a: tk.attention_decode_only(*a)) for a in args])
-    o_p, l_p, *escape = tk.attention_decode_only(*first.op_args(*plan))
+    t_decode = time_rotating(
+        [graphed(lambda a=a: torch.ops.mla.decode(*a, fill_empty=False)) for a in args]
+    )
+    o_p, l_p = torch.ops.mla.decode(*first.op_args(*plan))
     kernel = tk.LAST_LAUNCH["decode_path"]
     loop = None  # the wgmma kernel's loop (wgmma_decode's module docstring)
     if kernel == "wgmma":
         one_scorer, on_m = tk.LAST_LAUNCH["wgmma_one_scorer"], tk.LAST_LAUNCH["wgmma_rows_on_m"]
         loop = "one-scorer" if one_scorer else "rows-on-M" if on_m else "transposed"
-    t_alone = time_rotating(
-        [graphed(lambda: tk.combine(o_p, l_p, torch.bfloat16, escape=(escape or [None])[0]))]
-    )
+    t_alone = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
     if ours.time_us:
         in_call_us = ours.time_us - t_decode * 1e6
@@ -700,7 +699,6 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
             kernel=kernel,  # wgmma (Gluon), tma or gather (Triton)
             wgmma_loop=loop,
             merge=merge,  # who merges the splits, and why
-            partials=partials,  # their dtype, and why (triton_kernels.half_partials_path)
         )
     return rows
 

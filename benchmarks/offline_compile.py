@@ -104,7 +104,7 @@ def compile_wgmma(
     rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
     pe_dtype: str | None = None, mask: str | None = None, s_q: int = 1,
-    query_in_registers: bool = False, pv_regs: int | None = None, half_partials: bool = False,
+    query_in_registers: bool = False, pv_regs: int | None = None,
 ):  # fmt: skip
     """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows // s_q`` heads x
     ``s_q``;
@@ -113,8 +113,6 @@ def compile_wgmma(
     ``float8_products``: a float8 kv_c multiplied in float8 (None: the op's choice);
     ``pe_dtype="fp8e4nv"``: k_pe in float8 too (multiplied in float8, or converted).
     ``mask``: an attention mask, ``"bool"`` or a float dtype (``"bf16"``).
-    ``half_partials``: fp16 partials, their float32 escape buffer in ``OUT``'s place
-    (``triton_kernels.HALF_PARTIALS``).
     """
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -180,10 +178,6 @@ def compile_wgmma(
             el = gl.float8e4nv if name_dtype == "fp8e4nv" else gl_dtype
             layout = gl.NVMMASharedLayout.get_default_for([wd.BLOCK_N, width], el)
             signature[name] = f"tensordesc<{name_dtype}[{wd.BLOCK_N}, {width}],{layout!r}>"
-        elif name == "OUT" and half_partials:
-            signature[name] = "*fp32"
-        elif name == "O_PART" and half_partials:
-            signature[name] = "*fp16"
         elif name in ("Q", "OUT"):
             signature[name] = f"*{dtype}"
         elif name == "PE":

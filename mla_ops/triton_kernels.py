@@ -410,8 +410,7 @@ def _mla_decode_kernel(
 
 @triton.jit
 def _mla_combine_kernel(
-    O_PART,  # [rows, S, L] float32, or fp16 with ESCAPED
-    O_ESC,  # ESCAPED: [rows, S, L] float32, O_PART's strides: the values O_PART marks NaN
+    O_PART,  # [rows, S, L]
     LSE_PART,  # [rows, S]
     OUT,  # [rows, L]
     LSE,  # [rows]
@@ -428,7 +427,6 @@ def _mla_combine_kernel(
     BLOCK_L: tl.constexpr,
     ACC: tl.constexpr,
     WAIT_PRIMARY: tl.constexpr,  # launched early (PDL): wait for the previous kernel's writes
-    ESCAPED: tl.constexpr,  # fp16 partials whose NaN values are read from O_ESC (HALF_PARTIALS)
 ):
     if WAIT_PRIMARY:
         # Nothing is read or written before the decode's partials are complete and visible.
@@ -454,18 +452,12 @@ def _mla_combine_kernel(
     # per block: a few exps, against reading num_splits x BLOCK_L partial values).
     offs_l = l_block * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = offs_l < L
-    offs = row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od
-    in_block = read[:, None] & l_ok[None, :]
-    part = tl.load(O_PART + offs, mask=in_block, other=0.0).to(ACC)
+    part = tl.load(
+        O_PART + row * stride_or + offs_s[:, None] * stride_ok + offs_l[None, :] * stride_od,
+        mask=read[:, None] & l_ok[None, :],
+        other=0.0,
+    ).to(ACC)
     out = tl.sum(part * weight[:, None], 0)
-    if ESCAPED:  # noqa: SIM102 (a compile-time branch around a runtime one)
-        # A row the decode kept in float32 (out of fp16's range) is NaN here, and so is the sum:
-        # only then its exact values are read (a predicated load on every program cost (b) 2.3
-        # us, NOTES.md item 79).
-        if tl.max((out != out).to(tl.int32), 0) > 0:
-            escaped = part != part
-            part = tl.where(escaped, tl.load(O_ESC + offs, mask=in_block & escaped), part)
-            out = tl.sum(part * weight[:, None], 0)
     out = tl.where(poisoned, float("nan"), out)
     tl.store(
         OUT + row * stride_out_r + offs_l * stride_out_d, out.to(OUT.dtype.element_ty), mask=l_ok
@@ -901,11 +893,9 @@ class _DecodeKernel:
         kv_scale: float | None,
         attn_mask: torch.Tensor | None,
         merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        escape: torch.Tensor | None = None,
     ) -> None:
-        """Launch into partials ``out``/``lse`` (and with ``merge_into``, the final output;
-        with ``escape``, fp16 partials: ``wgmma_decode.prepare``); ``LAST_LAUNCH["decode"]`` is
-        the compiled kernel."""
+        """Launch into partials ``out``/``lse`` (and with ``merge_into``, the final output:
+        ``wgmma_decode.prepare``); ``LAST_LAUNCH["decode"]`` is the compiled kernel."""
         from . import wgmma_decode
 
         float8 = kv_c.dtype == torch.float8_e4m3fn
@@ -915,22 +905,19 @@ class _DecodeKernel:
             # Replaced by an experiment's variant or a test's instrument: called as the op
             # always called it, with this signature's choices, unprepared.
             LAST_LAUNCH.update(self.record)
-            # escape only when given: a replacement written before it need not take it.
-            extra = {} if escape is None else {"escape": escape}
             with _on_device(q.device):
                 LAST_LAUNCH["decode"] = wgmma_decode.launch(
                     q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
                     kv_scale if float8 else None, self.causal, self.num_splits,
                     self.total_splits, merge_into=merge_into, attn_mask=attn_mask,
-                    **self.choices, **extra,
+                    **self.choices,
                 )  # fmt: skip
             LAST_LAUNCH["decode_launch"] = "wgmma_decode.launch replaced: Triton's dispatch"
             return
         if self.prepared is None and self.loads:
             self.prepared = wgmma_decode.prepare(
                 q, kv_c, k_pe, block_table, out, lse, self.causal, self.num_splits,
-                self.total_splits, merge_into=merge_into, attn_mask=attn_mask, escape=escape,
-                **self.choices,
+                self.total_splits, merge_into=merge_into, attn_mask=attn_mask, **self.choices,
             )  # fmt: skip
         elif self.prepared is None:
             self.prepared = self._prepare_triton(q, kv_c, k_pe, block_table, out, lse, attn_mask)
@@ -939,7 +926,7 @@ class _DecodeKernel:
             data = wgmma_decode.launch_data(
                 q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale,
                 kv_scale if float8 else None, self.loads == "gather", merge_into=merge_into,
-                attn_mask=attn_mask, escape=escape,
+                attn_mask=attn_mask,
             )  # fmt: skip
         else:
             data = self._triton_data(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
@@ -1196,7 +1183,7 @@ COMBINE_WIDE_PROGRAMS_PER_SM = 16
 
 
 def combine_tiling(
-    num_splits: int, kv_len: int, rows: int = 0, multiprocessors: int = 0, element_size: int = 4
+    num_splits: int, kv_len: int, rows: int = 0, multiprocessors: int = 0
 ) -> tuple[int, int]:
     """The combine kernel's ``(BLOCK_S, BLOCK_L)``: every split of a ``BLOCK_L``-column block of
     one row per program (2 warps), about 4096 partial values. Measured on an H100 against the
@@ -1207,20 +1194,14 @@ def combine_tiling(
     columns (at most 512) if ``rows`` leave every one of ``multiprocessors`` at least
     ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs even so: inside a call, where the combine follows
     the decode's last programs, (b)'s 4096 rows of 4 splits took 1.4 us less in 512-column
-    programs than in 256, while (e)'s 1024 rows took 0.4 us more (item 50).
-
-    16-bit partials (``element_size`` 2) take twice the columns, the same bytes a program: with
-    the float32 widths Triton gives each warp its own splits (16-byte loads of 8 values x 32
-    lanes fill a row), the sum over splits crosses warps, and (b)'s combine took 27 us instead
-    of 11 (NOTES.md item 48)."""
-    scale = max(1, 4 // element_size)
+    programs than in 256, while (e)'s 1024 rows took 0.4 us more (item 50)."""
     block_s = _next_pow2(num_splits, floor=2)
-    block_l = min(_next_pow2(kv_len), scale * max(32, min(256, 4096 // block_s)))
-    wide = min(2 * block_l, scale * 512, _next_pow2(kv_len))
+    block_l = min(_next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
+    wide = min(2 * block_l, 512, _next_pow2(kv_len))
     programs = rows * -(-kv_len // wide)
     if (
         wide > block_l
-        and block_s * wide <= 4096 * scale
+        and block_s * wide <= 4096
         and multiprocessors > 0
         and programs >= COMBINE_WIDE_PROGRAMS_PER_SM * multiprocessors
     ):
@@ -1238,39 +1219,36 @@ class _CombineKernel:
 
     def launch(
         self, out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
-        lse: torch.Tensor, escape: torch.Tensor | None = None,
+        lse: torch.Tensor,
     ) -> None:  # fmt: skip
         """Merge ``out_partial [..., S, L]``/``lse_partial [..., S]`` into ``out [..., L]`` and
-        ``lse [...]``. ``escape``: fp16 partials' float32 escape buffer (``HALF_PARTIALS``)."""
+        ``lse [...]``."""
         num_splits, kv_len = out_partial.shape[-2:]
         o3 = out_partial.reshape(-1, num_splits, kv_len)
-        e3 = o3 if escape is None else escape.view(o3.shape)
         l2 = lse_partial.reshape(-1, num_splits)
         out2 = out.view(-1, kv_len)
         lse1 = lse.view(-1)
         if self.prepared is None:
-            self.prepared = self._prepare(o3, l2, out2, lse1, escape is not None)
+            self.prepared = self._prepare(o3, l2, out2, lse1)
         LAST_LAUNCH.update(self.record)
         with _on_device(out.device):
-            self.prepared.launch({"o3": o3, "e3": e3, "l2": l2, "out2": out2, "lse1": lse1})
+            self.prepared.launch({"o3": o3, "l2": l2, "out2": out2, "lse1": lse1})
 
     def _prepare(
-        self, o3: torch.Tensor, l2: torch.Tensor, out2: torch.Tensor, lse1: torch.Tensor,
-        escaped: bool,
-    ) -> PreparedLaunch:  # fmt: skip
+        self, o3: torch.Tensor, l2: torch.Tensor, out2: torch.Tensor, lse1: torch.Tensor
+    ) -> PreparedLaunch:
         rows, num_splits, kv_len = o3.shape
         sms = multiprocessor_count(out2.device) if out2.is_cuda else 0
-        block_s, block_l = combine_tiling(num_splits, kv_len, rows, sms, o3.element_size())
+        block_s, block_l = combine_tiling(num_splits, kv_len, rows, sms)
         self.record["combine_tiling"] = (block_s, block_l)
         pdl = has_pdl(out2.device)
-        args = [Data("o3"), Data("e3"), Data("l2"), Data("out2"), Data("lse1"), *o3.stride(),
-                *l2.stride(), *out2.stride(), num_splits, kv_len]  # fmt: skip
+        args = [Data("o3"), Data("l2"), Data("out2"), Data("lse1"), *o3.stride(), *l2.stride(),
+                *out2.stride(), num_splits, kv_len]  # fmt: skip
         constexprs = dict(
             BLOCK_S=block_s,
             BLOCK_L=block_l,
             ACC=tl.float64 if lse1.dtype == torch.float64 else tl.float32,
             WAIT_PRIMARY=pdl,
-            ESCAPED=escaped,
             num_warps=2,
             **({"launch_pdl": True} if pdl else {}),
         )
@@ -1283,12 +1261,9 @@ def combine(
     lse_partial: torch.Tensor,
     out_dtype: torch.dtype | None,
     kernel: _CombineKernel | None = None,
-    escape: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the combine kernel; same contract as ``reference.combine``. kernel: as
-    ``decode``'s (kept here per partials' signature and output dtype when not given).
-    escape: with fp16 ``out_partial`` (``HALF_PARTIALS``), the float32 values of the elements it
-    marks NaN, in a tensor of its shape and strides."""
+    ``decode``'s (kept here per partials' signature and output dtype when not given)."""
     lead = out_partial.shape[:-2]
     kv_len = out_partial.shape[-1]
     out = new_output((*lead, kv_len), out_dtype or out_partial.dtype, out_partial.device)
@@ -1297,9 +1272,9 @@ def combine(
         return out, lse
     if kernel is None:
         key = (out_partial.device, _tensor_signature(out_partial),
-               _tensor_signature(lse_partial), out.dtype, escape is None)  # fmt: skip
+               _tensor_signature(lse_partial), out.dtype)  # fmt: skip
         kernel = _COMBINE_KERNELS.lookup(key) or _COMBINE_KERNELS.put(key, _CombineKernel())
-    kernel.launch(out_partial, lse_partial, out, lse, escape)
+    kernel.launch(out_partial, lse_partial, out, lse)
     return out, lse
 
 
@@ -1316,30 +1291,6 @@ def combine(
 # 40-sequence batch 159-160 against 153-154 us. The plan reads no lengths, so it cannot tell them
 # apart.
 MERGE_MAX_SPLITS = 2
-
-# Whether ``mla::attention`` keeps one-scorer programs' partials (128 heads over a 16-bit cache,
-# on their way to ``mla::combine``) in fp16, half the bytes the decode stores and the combine
-# reads again. A row out of fp16's range (above 65504, or nonzero below 2^-14, or NaN) goes to a
-# float32 escape buffer instead, exactly, so every partial value keeps fp16's 11 significant bits
-# relative to its row's largest (``wgmma_decode._store_output_half``). NOTES.md item 79.
-HALF_PARTIALS = True
-
-
-def half_partials_path(
-    q: torch.Tensor, merge: bool, choices: dict[str, object] | None
-) -> tuple[bool, str]:
-    """Whether ``attention`` keeps its partials in fp16 (``HALF_PARTIALS``) and why (not), from
-    the merge choice and the wgmma kernel's choices (None: the Triton kernel)."""
-    if not HALF_PARTIALS:
-        return False, "float32: HALF_PARTIALS is off"
-    if merge:
-        return False, "float32: the decode kernel merges the splits itself"
-    if choices is None or not choices["one_scorer"]:
-        return False, "float32: fp16 partials are written by one-scorer wgmma programs only"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False, f"float32: q is {q.dtype}"
-    return True, "float16, rows out of its range in float32"
-
 
 # Arrival counters of the merging wgmma kernel, per (device index, stream): every launch leaves
 # them zero (the last arrival of a row block resets its count), so one zeroing at allocation
@@ -1434,19 +1385,10 @@ class _AttentionPlan:
     ) -> None:
         path = _decode_path(q, kv_c, k_pe, block_table, attn_mask, None)
         self.merge, why = merge_path(path[1], num_splits)
-        self.decode = _DecodeKernel(path, causal, num_splits, total_splits, fill_empty=False)
-        if path[1]:
-            self.decode.choices = self.decode._wgmma_choices(q, kv_c, k_pe, attn_mask)
-        self.half, why_half = half_partials_path(q, self.merge, self.decode.choices)
-        self.record = {
-            "merge": ("decode kernel: " if self.merge else "mla::combine: ") + why,
-            "partials": why_half,
-        }
+        self.record = {"merge": ("decode kernel: " if self.merge else "mla::combine: ") + why}
         if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "mla::attention: splits merged by the %s; partials in %s", self.record["merge"],
-                why_half,
-            )  # fmt: skip
+            log.debug("mla::attention: splits merged by the %s", self.record["merge"])
+        self.decode = _DecodeKernel(path, causal, num_splits, total_splits, fill_empty=False)
         self.combine = _CombineKernel()
 
     def run(
@@ -1462,9 +1404,6 @@ class _AttentionPlan:
         attn_mask: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         LAST_LAUNCH.update(self.record)
-        if self.half:
-            return self._run_half(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale,
-                                  num_splits, kv_scale, attn_mask)  # fmt: skip
         if not self.merge:
             out_partial, lse_partial = decode(
                 q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, self.decode.causal,
@@ -1490,36 +1429,6 @@ class _AttentionPlan:
             kv_scale, attn_mask, merge_into=(out, lse, arrivals),
         )  # fmt: skip
         return out, lse
-
-    def _run_half(
-        self,
-        q: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        block_table: torch.Tensor | None,
-        softmax_scale: float,
-        num_splits: int,
-        kv_scale: float | None,
-        attn_mask: torch.Tensor | None,
-        decode_only: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
-        """The decode into fp16 partials and their escape buffer, then ``mla::combine``
-        (``decode_only``: the partials, LSEs and escape buffer instead, for benchmarks)."""
-        batch, s_q, heads, _ = q.shape
-        shape = (batch, s_q, heads, num_splits, kv_c.shape[-1])
-        out_partial = new_output(shape, torch.float16, q.device)
-        lse_partial = new_output(shape[:-1], torch.float32, q.device)
-        # Written only where a row escapes, read only where out_partial marks one.
-        escape = torch.empty(shape, dtype=torch.float32, device=q.device)
-        if out_partial.numel() or lse_partial.numel():
-            self.decode.launch(
-                q, kv_c, k_pe, cache_seqlens, block_table, out_partial, lse_partial,
-                softmax_scale, kv_scale, attn_mask, escape=escape,
-            )  # fmt: skip
-        if decode_only:
-            return out_partial, lse_partial, escape
-        return combine(out_partial, lse_partial, q.dtype, kernel=self.combine, escape=escape)
 
 
 # Plans of mla::attention by call signature; dropped whenever a global of ``ops``, ``planner``,
@@ -1564,36 +1473,6 @@ def attention(
                                               attn_mask, total_splits))  # fmt: skip
     return plan.run(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, num_splits,
                     kv_scale, attn_mask)  # fmt: skip
-
-
-def attention_decode_only(
-    q: torch.Tensor,
-    kv_c: torch.Tensor,
-    k_pe: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
-    softmax_scale: float,
-    causal: bool,
-    num_splits: int,
-    kv_scale: float | None = None,
-    attn_mask: torch.Tensor | None = None,
-    total_splits: int | None = None,
-) -> tuple[torch.Tensor, ...]:
-    """The decode of an ``attention`` call alone, for benchmarks that split a call's time into
-    its decode and its merge: into fp16 partials where the call keeps them so (its plan's
-    ``_run_half``: partials, LSEs, escape buffer), else ``mla::decode``'s float32 partials
-    without zeros for empty splits (partials, LSEs)."""
-    key = call_signature(q, kv_c, k_pe, cache_seqlens, block_table, causal, num_splits, kv_scale,
-                         attn_mask, total_splits)  # fmt: skip
-    plan = _PLANS.lookup(key)
-    if plan is None:
-        plan = _PLANS.put(key, _AttentionPlan(q, kv_c, k_pe, block_table, causal, num_splits,
-                                              attn_mask, total_splits))  # fmt: skip
-    if plan.half:
-        return plan._run_half(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale,
-                              num_splits, kv_scale, attn_mask, decode_only=True)  # fmt: skip
-    return decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-                  kv_scale, attn_mask, total_splits, fill_empty=False)  # fmt: skip
 
 
 follow(__name__)

@@ -92,7 +92,6 @@ import functools
 
 import torch
 import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin as _gluon_builtin
@@ -172,12 +171,6 @@ QUERY_REMAINDER_SCALE = gl.constexpr(16.0)
 # A float attention mask's value at or below this hides its key (``reference.MASK_HIDDEN``; a
 # test checks that they agree: this module also loads from a file of its own for A/B runs).
 MASK_HIDDEN = gl.constexpr(-1e30)
-# fp16 partials (``prepare``'s float16 ``out``): a row whose largest magnitude is above fp16's
-# largest finite value, or below its smallest normal one (but not zero), or NaN, is kept in
-# float32 instead (the escape buffer), so every value keeps at least fp16's 11 significant
-# bits relative to its row's largest.
-HALF_MAX = gl.constexpr(65504.0)
-HALF_MIN_ROW_MAX = gl.constexpr(2.0**-14)
 
 # Phase stamps (``launch(stamps=...)``, benchmarks/experiments/phase_stamps.py): one row of
 # ``STAMP_SLOTS`` int64 per program. Global-timer readings (ns) unless said otherwise:
@@ -1496,22 +1489,6 @@ def _consume_rows_on_m(
 
 
 @gluon.jit
-def _max_propagating_nan(a, b):
-    return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@gluon.jit
-def _store_staged(ptrs, values, stage, row_ok, wide: gl.constexpr):
-    """16-bit ``values [BLOCK_M, width]`` (an accumulator's layout) to ``ptrs`` (``wide``
-    layout) through ``stage`` (shared memory of that shape, any 16-bit dtype: the bits pass
-    through unchanged), 16 bytes a lane, 128 bytes a row. ``row_ok``: rows to store."""
-    stage.store(values.to(stage.dtype, bitcast=True))
-    _thread_barrier()
-    staged = stage.load(wide).to(ptrs.dtype.element_ty, bitcast=True)
-    gl.store(ptrs, staged, mask=row_ok[:, None])
-
-
-@gluon.jit
 def _store_output_half(
     O_PART, LSE_PART, OUT, LSE_OUT, q_smem, o, m_i, l_i, poisoned, kv_scale, b64, row_block, split,
     n_real, stride_ob, stride_os, stride_oh, stride_ok, stride_od, stride_lb, stride_ls, stride_lh,
@@ -1530,10 +1507,7 @@ def _store_output_half(
     (stamps, NOTES.md item 48). In this layout a warp's float32 store covers 8 rows x 32 bytes,
     whole sectors. 16-bit final rows would go out in 16-byte pieces, half sectors, which cost
     (f) 2 % (item 48): they are staged through the query's shared memory (``q_smem``, dead once
-    the last tile is scored) and stored 16 bytes a lane, 128 bytes a row. So are fp16 partials
-    (a float16 ``O_PART``), whose rows out of fp16's range (``HALF_MAX``, ``HALF_MIN_ROW_MAX``)
-    go out in float32 into the escape buffer passed in ``OUT``'s place, NaN in ``O_PART``
-    marking them (``triton_kernels.HALF_PARTIALS``).
+    the last tile is scored) and stored 16 bytes a lane, 128 bytes a row.
 
     ``WIDTH``: the part's columns when not ``L/2`` (query-in-registers programs; the
     accumulator's wgmma N is the part's width)."""
@@ -1551,42 +1525,22 @@ def _store_output_half(
     lse, l_safe = _row_lse(gl.convert_layout(m_i, row_layout), l_i, poisoned)
     out = o * (kv_scale / l_safe)[:, None]
     out = gl.where(poisoned, float("nan"), out)
-    # 16-bit rows go out staged, 16 bytes a lane, in this layout.
-    wide: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    rows_w = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
-    cols_w = COL0 + gl.arange(0, PART, layout=gl.SliceLayout(0, wide))
     # The condition spelled out in each if: held in a variable, its constant False (no MERGE)
     # became a runtime branch around a store, which Triton 3.6 fails to lower (NOTES.md item 33).
     if MERGE and n_real == 1:
+        stage = q_smem.slice(COL0, PART, dim=1)
+        stage.store(out.to(q_smem.dtype))
+        _thread_barrier()
+        wide: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows_w = row_block * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, wide))
+        cols_w = COL0 + gl.arange(0, PART, layout=gl.SliceLayout(0, wide))
         out_rows = OUT + b64 * stride_fb + ((rows_w // H) * stride_fs + (rows_w % H) * stride_fh)
-        _store_staged(
-            out_rows[:, None] + cols_w[None, :] * stride_fd, out.to(OUT.dtype.element_ty),
-            q_smem.slice(COL0, PART, dim=1), rows_w < S_Q * H, wide,
-        )  # fmt: skip
+        out_ptrs = out_rows[:, None] + cols_w[None, :] * stride_fd
+        gl.store(out_ptrs, stage.load(wide), mask=(rows_w < S_Q * H)[:, None])
     else:
-        part_offs = b64 * stride_ob + split * stride_ok
-        part_offs += (s_idx * stride_os + h_idx * stride_oh)[:, None] + cols[None, :] * stride_od
-        if O_PART.dtype.element_ty == gl.float16:
-            # Partials in fp16 (HALF_PARTIALS: half the bytes stored here and read again by the
-            # combine). A row out of fp16's range goes out exactly, in float32, into the escape
-            # buffer (OUT's place: never the final output here), and NaN marks it in O_PART.
-            gl.static_assert(not MERGE)
-            # NaN propagates through the maximum: NaN rows escape too.
-            row_max = gl.reduce(gl.abs(out), 1, _max_propagating_nan)
-            escape = ~(row_max <= HALF_MAX) | ((row_max < HALF_MIN_ROW_MAX) & (row_max > 0.0))
-            # A branch, not predicated stores: those cost every program 2-4 us (item 79).
-            if gl.max(escape.to(gl.int32), 0) > 0:
-                gl.store(OUT + part_offs, out, mask=(row_ok & escape)[:, None])
-                out = gl.where(escape[:, None], float("nan"), out)
-            half = out.to(gl.float16)
-            part_rows_w = O_PART + b64 * stride_ob + split * stride_ok
-            part_rows_w += ((rows_w // H) * stride_os + (rows_w % H) * stride_oh)[:, None]
-            _store_staged(
-                part_rows_w + cols_w[None, :] * stride_od, half, q_smem.slice(COL0, PART, dim=1),
-                rows_w < S_Q * H, wide,
-            )  # fmt: skip
-        else:
-            gl.store(O_PART + part_offs, out, mask=row_ok[:, None])
+        part_rows = O_PART + b64 * stride_ob + split * stride_ok
+        part_rows += (s_idx * stride_os + h_idx * stride_oh)[:, None]
+        gl.store(part_rows + cols[None, :] * stride_od, out, mask=row_ok[:, None])
     if WITH_LSE:
         if MERGE and n_real == 1:
             lse_ptrs = LSE_OUT + b64 * stride_gb + s_idx * stride_gs + h_idx * stride_gh
@@ -2071,10 +2025,9 @@ def _mla_decode_wgmma_kernel(
     Q,  # [B, S_q, H, L+R]
     SEQLENS,  # [B] int32
     BLOCK_TABLE,  # [B, max_pages] int32
-    O_PART,  # [B, S_q, H, num_splits, L] float32 (fp16 in one-scorer programs, not MERGE)
+    O_PART,  # [B, S_q, H, num_splits, L] float32
     LSE_PART,  # [B, S_q, H, num_splits] float32
-    OUT,  # MERGE: [B, S_q, H, L] in q's dtype, the attention output; fp16 O_PART: the
-    # float32 escape buffer (O_PART's shape and strides) of rows out of fp16's range
+    OUT,  # MERGE: [B, S_q, H, L] in q's dtype, the attention output
     LSE_OUT,  # MERGE: [B, S_q, H] float32
     ARRIVALS,  # MERGE: [B * row blocks] int32, zero before the launch and after it
     STAMP_BUF,  # STAMPS: [programs, STAMP_SLOTS] int64
@@ -2178,8 +2131,6 @@ def _mla_decode_wgmma_kernel(
         not FLOAT8_PRODUCTS or (KV_FP8 and BLOCK_M == 16 and num_warps == 4 and not GATHER)
     )
     gl.static_assert(not HAS_MASK or not ROWS_ON_M)
-    # fp16 partials (with their float32 escape buffer in OUT's place): one-scorer programs only.
-    gl.static_assert(O_PART.dtype.element_ty != gl.float16 or (ONE_SCORER and not MERGE))
     # A float8 k_pe: multiplied in float8, or converted to fp16 beside kv_c (also gathered);
     # R = 64, the width the GPU tests cover (float8 wgmma's K of 32 would allow any multiple).
     gl.static_assert(not PE_FP8 or (KV_FP8 and HAS_PE and R == 64))
@@ -2823,7 +2774,6 @@ def launch(
     float8_products: bool | None = None,
     attn_mask: torch.Tensor | None = None,
     query_in_registers: bool | None = None,
-    escape: torch.Tensor | None = None,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
@@ -2836,11 +2786,11 @@ def launch(
         fill_empty=fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
         one_scorer=one_scorer, merge_into=merge_into, stamps=stamps, longest_first=longest_first,
         float8_products=float8_products, attn_mask=attn_mask,
-        query_in_registers=query_in_registers, escape=escape,
+        query_in_registers=query_in_registers,
     )  # fmt: skip
     data = launch_data(
         q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, gather,
-        merge_into=merge_into, stamps=stamps, attn_mask=attn_mask, escape=escape,
+        merge_into=merge_into, stamps=stamps, attn_mask=attn_mask,
     )  # fmt: skip
     return prepared.launch(data)
 
@@ -2864,15 +2814,11 @@ def launch_data(
     merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     stamps: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
-    escape: torch.Tensor | None = None,
 ) -> dict[str, object]:
     """One call's data for a launch ``prepare`` made (its ``Data`` slots by name): the tensors,
     the cache's TMA descriptors (none for gathered tiles) and the float scalars."""
-    # Without merge_into the final pointers are never used: the partials stand in for them, or
-    # fp16 partials' escape buffer takes the output's place.
+    # Without merge_into the final pointers are never used: the partials stand in for them.
     final_out, final_lse, arrivals = merge_into or (out, lse, cache_seqlens)
-    if escape is not None:
-        final_out = escape
     kv_desc = pe_desc = None
     if not gather:
         kv_desc = descriptor(kv_c)
@@ -2918,7 +2864,6 @@ def prepare(
     float8_products: bool | None = None,
     attn_mask: torch.Tensor | None = None,
     query_in_registers: bool | None = None,
-    escape: torch.Tensor | None = None,
 ) -> PreparedLaunch:
     """The kernel's launch for these tensors' shapes, strides and dtypes, into preallocated
     partials ``out``/``lse``, with each call's data left as slots (``launch_data`` fills them).
@@ -2951,10 +2896,6 @@ def prepare(
     a ring of three (``_score_tiles_qreg``; ``num_stages`` is then 3; None:
     ``default_query_in_registers``); only over ``kv_c`` width 512 and ``k_pe`` width 64,
     unmasked, else refused.
-    escape: with float16 partials ``out`` (one-scorer programs without ``merge_into``), a
-    float32 tensor of ``out``'s shape and strides: a row out of fp16's range is written there
-    exactly and marked NaN in ``out`` (``_store_output_half``); nothing else is written to it.
-    ``mla::combine`` reads it back (``triton_kernels.HALF_PARTIALS``).
     """
     if producer_warps is None:
         producer_warps = default_producer_warps(num_warps, gather)
@@ -3019,21 +2960,6 @@ def prepare(
             f"longest_first needs a balanced plan (total_splits, got {total_splits}) of at most "
             f"lengths_per_step={lengths_per_step} sequences (got {batch}) and "
             f"{LONGEST_FIRST_MAX_SPLITS.value} splits (got {num_splits})"
-        )
-    half = out.dtype == torch.float16
-    if half != (escape is not None) or (
-        half
-        and (
-            not one_scorer or merge_into is not None or escape.dtype != torch.float32
-            or escape.shape != out.shape or escape.stride() != out.stride()
-        )
-    ):  # fmt: skip
-        raise ValueError(
-            "escape: float16 partials (out) are written by one-scorer programs without "
-            "merge_into, with a float32 escape tensor of out's shape and strides, and only "
-            f"they take one; got out {out.dtype} {list(out.shape)}, escape "
-            f"{None if escape is None else (escape.dtype, list(escape.shape), escape.stride())}, "
-            f"one_scorer={one_scorer}, merge_into {'given' if merge_into else 'None'}"
         )
     pe = k_pe if rope_len else kv_c
 

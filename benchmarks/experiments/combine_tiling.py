@@ -32,9 +32,9 @@ SHAPES = {"c": (128, 64), "d": (64, 64), "a": (2048, 2), "f": (16384, 1)}  # row
 def run(rows: int, splits: int, block_l: int, warps: int, o3, l2, out, lse) -> float:
     def fn():
         tk._mla_combine_kernel[(rows, triton.cdiv(512, block_l))](
-            o3, o3, l2, out, lse, *o3.stride(), *l2.stride(), *out.stride(), splits, 512,
+            o3, l2, out, lse, *o3.stride(), *l2.stride(), *out.stride(), splits, 512,
             BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_L=block_l, ACC=tl_f32,
-            WAIT_PRIMARY=False, ESCAPED=False, num_warps=warps,
+            WAIT_PRIMARY=False, num_warps=warps,
         )  # fmt: skip
 
     fn()

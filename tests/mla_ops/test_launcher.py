@@ -194,7 +194,7 @@ def test_decode_and_combine_ops_keep_their_kernels(kernels) -> None:
         out, lse = kernels.combine(out_p, lse_p, c.q.dtype)
         assert_matches(out, lse, *c.reference(), torch.float32, c.describe())
         combine_key = (out_p.device, kernels._tensor_signature(out_p),
-                       kernels._tensor_signature(lse_p), c.q.dtype, True)  # fmt: skip
+                       kernels._tensor_signature(lse_p), c.q.dtype)  # fmt: skip
         kept.append((kernels._DECODE_KERNELS.lookup((_signature(c), True)),
                      kernels._COMBINE_KERNELS.lookup(combine_key)))  # fmt: skip
     assert all(k is not None for pair in kept for k in pair)

@@ -124,70 +124,6 @@ def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
     assert tk.combine_tiling(1, 512, rows=10**6, multiprocessors=1) == (2, 512)
 
 
-def test_combine_tiling_takes_twice_the_columns_of_16_bit_partials() -> None:
-    """fp16 partials (``HALF_PARTIALS``): the same bytes a program as float32's tiling, so twice
-    the columns, up to the row (NOTES.md items 48, 79)."""
-    from mla_ops import triton_kernels as tk
-
-    assert tk.combine_tiling(4, 512, element_size=2) == (4, 512)
-    assert tk.combine_tiling(4, 1024, element_size=2) == (4, 512)
-    assert tk.combine_tiling(4, 512, rows=4096, multiprocessors=132, element_size=2) == (4, 512)
-    assert tk.combine_tiling(64, 512, rows=128, multiprocessors=132, element_size=2) == (64, 128)
-    assert tk.combine_tiling(8, 1024, rows=10**6, multiprocessors=132, element_size=2) == (8, 1024)
-    assert tk.combine_tiling(2, 24, element_size=2) == (2, 32)
-
-
-def half_partials(out_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 partials ``[..., S, L]`` as the wgmma kernel writes them in fp16
-    (``wgmma_decode._store_output_half``): a row whose largest magnitude is above 65504, nonzero
-    below 2^-14, or NaN is NaN in the fp16 partials and exact in the float32 escape buffer
-    (elsewhere unwritten: NaN here)."""
-    magnitude = torch.where(out_p.isnan(), float("inf"), out_p.abs()).amax(-1, keepdim=True)
-    escape = (magnitude > 65504) | ((magnitude < 2**-14) & (magnitude > 0))
-    half = torch.where(escape, float("nan"), out_p).half()
-    return half, torch.where(escape, out_p, float("nan"))
-
-
-@pytest.mark.parametrize("num_splits", [3, 4, 64])
-@pytest.mark.parametrize("width", [40, 512])
-def test_combine_kernel_reads_fp16_partials_and_their_escapes(
-    kernels, num_splits: int, width: int
-) -> None:
-    """fp16 partials (``HALF_PARTIALS``) merge to the float64 merge of the float32 values they
-    round, within fp16's rounding of each row's largest: rows far above fp16's range (1e9) and
-    far below its normal one (1e-9) come back exactly from the escape buffer; an empty split's
-    garbage (NaN in both buffers) is never read; a split with a NaN LSE poisons its row."""
-    from tests.mla_ops.test_combine import merge64
-
-    gen = torch.Generator().manual_seed(num_splits * 7 + width)
-    out_p = torch.randn(3, 5, num_splits, width, generator=gen)
-    lse_p = torch.randn(3, 5, num_splits, generator=gen) * 4
-    out_p[0, 1, 1] *= 1e9  # escapes: above fp16's range
-    out_p[0, 2] *= 1e-9  # every split of the row escapes: below fp16's normal range
-    out_p[1, 3, 2, 7] = 7e4  # one value past 65504: its split's row escapes
-    lse_p[2, 0] = float("-inf")  # a row with no state
-    lse_p[2, 1, 0] = float("-inf")  # an empty split: never written, never read
-    lse_p[2, 4, 1] = float("nan")  # a poisoned split
-    half, escape = half_partials(out_p)
-    half[2, 1, 0], escape[2, 1, 0] = float("nan"), float("nan")
-    assert half[0, 1, 1].isnan().all() and not half[0, 1, 0].isnan().any()
-    out, lse = kernels.combine(half.to(DEVICE), lse_p.to(DEVICE), torch.float32,
-                               escape=escape.to(DEVICE))  # fmt: skip
-    exact = out_p.clone()
-    exact[2, 1, 0] = 0.0
-    ref, ref_lse = merge64(exact.double(), lse_p.double())
-    assert out[2, 4].isnan().all() and lse[2, 4].isnan()
-    ref[2, 4], ref_lse[2, 4] = 0.0, 0.0
-    out, lse = out.cpu().double(), lse.cpu().double()
-    out[2, 4], lse[2, 4] = 0.0, 0.0
-    # Per row of the output, fp16's half ulp of the largest value merged into it.
-    row_scale = exact.double().abs().amax(dim=(-2, -1), keepdim=True).squeeze(-1)
-    assert ((out - ref).abs() <= row_scale * 2**-11 + 1e-30).all()
-    # Escaped rows: float32's rounding only.
-    assert ((out[0, 2] - ref[0, 2]).abs() <= row_scale[0, 2] * 1e-6).all()
-    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
-
-
 def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
     """``combine`` hands the tiling rule its row count and, on CUDA, the device's multiprocessor
     count (0 elsewhere, which keeps the base tiling), and records the tiling it ran."""
@@ -204,8 +140,8 @@ def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
     out_p = torch.randn(3, 5, 4, 40, device=DEVICE)
     kernels.combine(out_p, torch.randn(3, 5, 4, device=DEVICE), torch.float32)
     sms = planner.multiprocessor_count(out_p.device) if HAS_CUDA else 0
-    assert seen == [(4, 40, 15, sms, 4)]
-    assert kernels.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms, 4)
+    assert seen == [(4, 40, 15, sms)]
+    assert kernels.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])

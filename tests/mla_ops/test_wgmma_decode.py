@@ -601,52 +601,6 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch, query_in_register
 
 
 @requires_hopper
-@pytest.mark.parametrize("scale", [1.0, 1e5, 1e-6])
-@pytest.mark.parametrize("query_in_registers", [False, True])
-def test_one_scorer_partials_in_fp16(
-    kernels, monkeypatch, scale: float, query_in_registers: bool
-) -> None:
-    """``mla::attention`` over one-scorer programs with ``mla::combine`` (3 splits) keeps its
-    partials in fp16 (``HALF_PARTIALS``) and matches the float64 reference; against the same
-    call with float32 partials it differs by at most one bf16 step at each output row's largest
-    value (the two round slightly different values). ``kv_c`` scaled past fp16's range (1e5) or
-    below its normal one (1e-6): every row escapes to float32 (NaN in the fp16 partials, where
-    the split has tokens); at 1.0 none does. A bad page id poisons only its sequence."""
-    from mla_ops import wgmma_decode
-
-    monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
-    case = make_case(
-        71, dtype=torch.bfloat16, device="cuda", dims=(512, 64), heads=128, s_q=1, page_size=64,
-        lengths=[700, 0, 1, 2000], num_splits=3,
-    )  # fmt: skip
-    case.kv_c.mul_(scale)
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("mla::combine")
-    assert kernels.LAST_LAUNCH["partials"].startswith("float16"), kernels.LAST_LAUNCH["partials"]
-    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
-    ref_out, ref_lse = case.reference()
-    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe(),
-                   tolerance=(2e-2 * scale, 2e-2))  # fmt: skip
-    half, lse_p, _ = kernels.attention_decode_only(*case.op_args())
-    assert half.dtype == torch.float16
-    written = lse_p.isfinite()  # [B, 1, H, splits]: splits with tokens
-    escaped = half.isnan().all(-1) & written
-    assert escaped.equal(written if scale != 1.0 else torch.zeros_like(written)), scale
-    monkeypatch.setattr(kernels, "HALF_PARTIALS", False)
-    out32, lse32 = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["partials"] == "float32: HALF_PARTIALS is off"
-    row_max = ref_out.abs().amax(-1, keepdim=True)
-    assert ((out.double() - out32.double()).abs().cpu() <= row_max * 2**-7).all()
-    assert torch.equal(lse, lse32)
-    monkeypatch.setattr(kernels, "HALF_PARTIALS", True)
-    case.block_table[1, 0] = 10**6  # sequence 1 is empty: a bad id there is never read
-    case.block_table[3, 20] = 10**6
-    out_bad, lse_bad = kernels.attention(*case.op_args())
-    assert torch.isnan(out_bad[3]).all() and torch.isnan(lse_bad[3]).all()
-    assert torch.equal(out_bad[:3], out[:3]) and torch.equal(lse_bad[:3], lse[:3])
-
-
-@requires_hopper
 @pytest.mark.parametrize(("heads", "page_size"), [(16, 64), (16, 1), (128, 64)])
 def test_phase_stamps_are_ordered_and_leave_the_output_alone(
     kernels, monkeypatch, heads: int, page_size: int
@@ -1337,50 +1291,6 @@ def test_query_in_registers_choice_and_its_checks() -> None:
         )  # fmt: skip
 
 
-def test_half_partials_choice_and_its_checks(kernels, monkeypatch) -> None:
-    """``half_partials_path``: fp16 partials for one-scorer programs on the combine's path with a
-    16-bit query only, each refusal saying why; ``prepare`` refuses fp16 partials without a
-    float32 escape buffer of their shape and strides, outside one-scorer programs, with
-    ``merge_into``, and an escape buffer without fp16 partials, naming what it expected."""
-    if not _gluon_available():
-        pytest.skip("Triton without Gluon's Hopper module")
-    from mla_ops import wgmma_decode
-
-    bf16 = torch.empty(1, dtype=torch.bfloat16)
-    path = kernels.half_partials_path
-    assert path(bf16, False, {"one_scorer": True}) == (True, "float16, rows out of its range in "
-                                                       "float32")  # fmt: skip
-    assert path(bf16, True, {"one_scorer": True})[1].endswith("merges the splits itself")
-    assert path(bf16, False, {"one_scorer": False})[1].endswith("one-scorer wgmma programs only")
-    assert path(bf16, False, None)[1].endswith("one-scorer wgmma programs only")
-    assert path(bf16.float(), False, {"one_scorer": True}) == (False, "float32: q is "
-                                                                "torch.float32")  # fmt: skip
-    monkeypatch.setattr(kernels, "HALF_PARTIALS", False)
-    assert path(bf16, False, {"one_scorer": True}) == (False, "float32: HALF_PARTIALS is off")
-
-    case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(512, 64), heads=64, s_q=1,
-                     pair=True, lengths=[64])  # fmt: skip
-    out16 = torch.empty(1, 1, 64, 3, 512, dtype=torch.float16)
-    lse = torch.empty(1, 1, 64, 3)
-    escape = torch.empty(1, 1, 64, 3, 512)
-    kw = dict(block_m=64, num_warps=4, num_stages=2, min_chunk=256, granule=64,
-              lengths_per_step=128, one_scorer=True, query_in_registers=False)  # fmt: skip
-    args = (case.q, case.kv_c, case.k_pe, case.block_table)
-    for bad in (
-        dict(out=out16, escape=None),
-        dict(out=out16, escape=escape[..., :256]),
-        dict(out=out16, escape=escape.half()),
-        dict(out=out16, escape=escape, one_scorer=False, block_m=16),
-        dict(out=out16, escape=escape, merge_into=(None, None, None)),
-        dict(out=escape, escape=escape),
-    ):
-        call = {**kw, **bad}
-        with pytest.raises(ValueError, match=r"escape: float16 partials \(out\) are written by "):
-            wgmma_decode.prepare(*args, call.pop("out"), lse, False, 3, None, **call)
-    prepared = wgmma_decode.prepare(*args, out16, lse, False, 3, None, escape=escape, **kw)
-    assert prepared is not None
-
-
 def test_float8_products_view_of_the_ring_slot() -> None:
     """``_VT_OFFSET_BASES`` reads a copy-engine float8 slot (``[64, 512]``, 128-byte swizzle: four
     ``[64, 128-byte]`` slabs, each row's 16-byte units XOR its low 3 bits) as 16-bit pairs
@@ -1485,30 +1395,6 @@ def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> No
     assert res["hgmma"] == 52 and res["wgmma_waits"] <= 8, res
     assert res["shared_bytes"] <= 232448, res
     assert res["spill_bytes"] < 256, res
-
-
-@pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
-@pytest.mark.parametrize("query_in_registers", [False, True])
-def test_half_partials_compile_to_staged_16_byte_stores(query_in_registers: bool) -> None:
-    """fp16 partials (``HALF_PARTIALS``) leave the one-scorer loop's products as they were and go
-    out staged, 16 bytes a store (4 column parts x 64 rows x 64-256 columns: 32 stores in the
-    code), beside the escape's float32 stores from the accumulator (128, predicated off unless a
-    row escapes), with no more spill than the float32 build's plus 64 bytes."""
-    stages = 3 if query_in_registers else 2
-    res = {}
-    for half in (False, True):
-        res[half] = offline_compile(
-            f"k = oc.compile_wgmma(64, {stages}, warps=4, one_scorer=True, "
-            f"query_in_registers={query_in_registers}, half_partials={half}); "
-            "r = oc.resources(k); ptx = k.asm['ptx']; "
-            "r['st_v2'] = ptx.count('st.global.v2.b32'); "
-            "r['st_v4'] = ptx.count('st.global.v4.b32'); print(r)"
-        )
-    f32, f16 = res[False], res[True]
-    assert f16["hgmma"] == f32["hgmma"] and f16["wgmma_waits"] == f32["wgmma_waits"], res
-    assert f32["st_v4"] == 0 and f16["st_v4"] == 32 and f16["st_v2"] == f32["st_v2"] == 128, res
-    assert f16["shared_bytes"] <= 232448, res
-    assert f16["spill_bytes"] <= f32["spill_bytes"] + 64, res
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
