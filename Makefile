@@ -14,6 +14,11 @@ TRANSFORMERS_LEGACY ?= transformers==5.14.1
 LEGACY_TESTS := tests/fx_passes tests/mla_ops/test_paged_cache.py tests/mla_ops/test_paged_ops.py \
 	tests/mla_ops/test_hf_cache.py tests/mla_ops/test_hf_cache_kwargs.py
 
+# Test workers (pytest-xdist): one per core, at most 8 (each holds torch and transformers, ~1 GB).
+# `make test TEST_WORKERS=0` runs the suite in one process.
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --maxprocesses=8
+
 .PHONY: demo test test-legacy lint format install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
@@ -34,10 +39,10 @@ demo: install
 	$(PY) examples/generate.py
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-legacy: $(LEGACY_VENV)/.installed
-	$(LEGACY_PY) -m pytest -q $(LEGACY_TESTS) $(PYTEST_ARGS)
+	$(LEGACY_PY) -m pytest -q $(XDIST) $(LEGACY_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
