@@ -14,7 +14,7 @@ TRANSFORMERS_LEGACY ?= transformers==5.14.1
 LEGACY_TESTS := tests/fx_passes tests/mla_ops/test_paged_cache.py tests/mla_ops/test_paged_ops.py \
 	tests/mla_ops/test_hf_cache.py tests/mla_ops/test_hf_cache_kwargs.py
 
-# Test workers (pytest-xdist): one per core, at most 8 (each holds torch and transformers, ~1 GB).
+# Test workers (pytest-xdist): one per CPU the system reports, at most 8 (each holds torch and transformers, ~1 GB).
 # `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --maxprocesses=8
