@@ -89,6 +89,7 @@ CUDA device qualifies.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import triton
@@ -2755,42 +2756,27 @@ def launch(
     softmax_scale: float,
     kv_scale: float | None,
     causal: bool,
-    num_splits: int,
-    total_splits: int | None,
-    block_m: int,
-    num_warps: int,
-    num_stages: int,
-    min_chunk: int,
-    granule: int,
-    lengths_per_step: int,
-    gather: bool = False,
-    fill_empty: bool = True,
-    producer_warps: int | None = None,
-    rows_on_m: bool | None = None,
-    one_scorer: bool = False,
-    merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    stamps: torch.Tensor | None = None,
-    longest_first: bool | None = None,
-    float8_products: bool | None = None,
-    attn_mask: torch.Tensor | None = None,
-    query_in_registers: bool | None = None,
+    *plan: object,
+    **options: object,
 ):
     """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
 
-    ``prepare`` with these arguments, then its launch with this call's ``launch_data``; see
-    ``prepare`` for the arguments.
+    ``prepare(q, kv_c, k_pe, block_table, out, lse, causal, *plan, **options)`` (``plan`` from
+    ``num_splits`` on; see ``prepare`` for every argument), then its launch with this call's
+    ``launch_data``.
     """
-    prepared = prepare(
-        q, kv_c, k_pe, block_table, out, lse, causal, num_splits, total_splits, block_m,
-        num_warps, num_stages, min_chunk, granule, lengths_per_step, gather=gather,
-        fill_empty=fill_empty, producer_warps=producer_warps, rows_on_m=rows_on_m,
-        one_scorer=one_scorer, merge_into=merge_into, stamps=stamps, longest_first=longest_first,
-        float8_products=float8_products, attn_mask=attn_mask,
-        query_in_registers=query_in_registers,
-    )  # fmt: skip
+    # Bound to prepare's signature so that the per-call tensors launch_data also needs are found
+    # whether they came by position or by keyword.
+    bound = inspect.signature(prepare).bind(
+        q, kv_c, k_pe, block_table, out, lse, causal, *plan, **options
+    )
+    prepared = prepare(*bound.args, **bound.kwargs)  # checks the arguments first
+    bound.apply_defaults()
+    arg = bound.arguments
     data = launch_data(
-        q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale, gather,
-        merge_into=merge_into, stamps=stamps, attn_mask=attn_mask,
+        q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale,
+        arg["gather"], merge_into=arg["merge_into"], stamps=arg["stamps"],
+        attn_mask=arg["attn_mask"],
     )  # fmt: skip
     return prepared.launch(data)
 
