@@ -116,6 +116,11 @@ def main() -> None:
     ap.add_argument("--cases", default="d,a")
     ap.add_argument("--stages", default="1,2,3")
     ap.add_argument("--holds", default="0,1000,2000", help="clock cycles a landed slot is held")
+    ap.add_argument(
+        "--programs-per-sm", default="1",
+        help="chunks cut for this many programs a multiprocessor (1: the planner's chunk); more "
+        "run side by side where the slots' shared memory lets them",
+    )  # fmt: skip
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="ring_depth")
@@ -134,17 +139,21 @@ def main() -> None:
         chunk_tiles = math.ceil(tokens / (plan[1] or plan[0] * case.batch) / wd.BLOCK_N)
         floor_us = bd.floor_seconds(case, ceil) * 1e6
         row = dict(case=name, plan=list(plan), chunk_tiles=chunk_tiles, floor_us=floor_us)
+        per_sm = [int(p) for p in args.programs_per_sm.split(",")]
         for r in range(args.rounds):
             shipped = [bd.wgmma_call(inp, *plan, with_combine=False) for inp in copies]
             us = bd.time_rotating([bd.graphed(f) for f in shipped], warmup=10, rep=100) * 1e6
             row.setdefault("shipped_decode_us", []).append(us)
             print(name, "shipped decode", f"round {r}", f"{us:.1f} us", flush=True)
-            for s in stages:
-                for h in holds:
-                    fns = [stream_call(inp, chunk_tiles, s, h) for inp in copies]
-                    us = bd.time_rotating([bd.graphed(f) for f in fns], warmup=10, rep=100) * 1e6
-                    row.setdefault(f"stages{s}_hold{h}_us", []).append(us)
-                    print(name, f"stages {s} hold {h}", f"round {r}", f"{us:.1f} us", flush=True)
+            for p in per_sm:
+                tiles = math.ceil(chunk_tiles / p)
+                for s in stages:
+                    for h in holds:
+                        fns = [stream_call(inp, tiles, s, h) for inp in copies]
+                        us = bd.time_rotating([bd.graphed(f) for f in fns], warmup=10, rep=100)
+                        key = f"stages{s}_hold{h}" + (f"_per_sm{p}" if p > 1 else "")
+                        row.setdefault(f"{key}_us", []).append(us * 1e6)
+                        print(name, key, f"round {r}", f"{us * 1e6:.1f} us", flush=True)
         rows.append(row)
         del copies
         torch.cuda.empty_cache()
