@@ -2096,12 +2096,6 @@ def _mla_decode_wgmma_kernel(
             "mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
         )
         gl.store(STAMP_ROW + STAMP_SM, sm.to(gl.int64))
-    # Programmatic dependent launch: the combine may launch now; it waits on the device for this
-    # grid's writes (triton_kernels.has_pdl).
-    gl.inline_asm_elementwise(
-        "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
-        is_pure=False, pack=1,
-    )  # fmt: skip
     # Rows on M: one M=64 wgmma row block split by 2 warpgroups, no float8 staging, no producer.
     gl.static_assert(
         not ROWS_ON_M or (BLOCK_M == 64 and num_warps == 8 and not KV_FP8 and PRODUCER_WARPS == 0)
@@ -2580,6 +2574,15 @@ def _mla_decode_wgmma_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
+    # Programmatic dependent launch: the combine may launch once every program is past its loop
+    # (an empty split, which returned above, counts at its exit); it waits on the device for
+    # this grid's writes (triton_kernels.has_pdl). Issued at the program's entry instead, which
+    # launched the combine while the decode still streamed, every call with a combine took
+    # 0.3-1.2 us longer on an H200 ((d) 1.0-1.2 us; NOTES.md item 84).
+    gl.inline_asm_elementwise(
+        "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+        is_pure=False, pack=1,
+    )  # fmt: skip
     s_st = rows_st // H
     h_st = rows_st % H
     # Without MERGE every chunk writes its partial. With MERGE, a sequence cut into one chunk

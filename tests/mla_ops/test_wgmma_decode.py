@@ -1060,6 +1060,15 @@ def test_no_wgmma_off_hopper() -> None:
     assert not triton_kernels.has_wgmma(torch.device("cpu"))
 
 
+# For an offline compile's statements: how many combine launch triggers its PTX has, and whether
+# the first comes after every warpgroup MMA and MMA wait (after the loop, not at the entry).
+_TRIGGER_AFTER_LOOP = (
+    "g = 'griddepcontrol.launch_dependents'; "
+    "r['trigger'] = [ptx.count(g), ptx.find(g) > max(ptx.rfind('wgmma.mma_async'), "
+    "ptx.rfind('wgmma.wait_group'))]; "
+)
+
+
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
     ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge", "pe_dtype"),
@@ -1089,7 +1098,9 @@ def test_compiles_to_wgmma_for_sm90(
     ``wgmma_stages`` picks (two at 16 rows, three at 32), and, where it is not multiplied in
     float8, the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the
     stale-row select), a float8 k_pe's too. Merging (``mla::attention``): exactly one
-    release-acquire arrival, partials read past L1."""
+    release-acquire arrival, partials read past L1. One ``griddepcontrol.launch_dependents``,
+    after the loop's last product (the combine launched at the programs' entries made every
+    call with a combine 0.3-1.2 us slower on an H200: NOTES.md item 84)."""
     from mla_ops import triton_kernels, wgmma_decode
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
@@ -1101,9 +1112,10 @@ def test_compiles_to_wgmma_for_sm90(
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['cvt_e4m3'] = ptx.count('cvt.rn.f16x2.e4m3x2'); r['m64n256'] = ptx.count('m64n256k16'); "
         "r['arrive'] = ptx.count('atom.global.gpu.acq_rel.add'); "
-        "r['cg'] = ptx.count('ld.global.cg'); print(r)"
+        "r['cg'] = ptx.count('ld.global.cg'); " + _TRIGGER_AFTER_LOOP + "print(r)"
     )
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
+    assert res["trigger"] == [1, True], res
     if gather:  # every row copy 16 bytes wide
         assert res["tma"] == 0 and res["cp.async"] > 0, res
         assert res["cp.async_16B"] == res["cp.async"], res
@@ -1382,15 +1394,16 @@ def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> No
     without the query there. ptxas keeps the products in flight: a handful of ``WARPGROUP.DEPBAR``
     waits in the whole kernel, as the two-slot one-scorer build has, where a build short of
     registers (three warpgroups of 168) had one after each of its 52 products and spilled the
-    query."""
+    query. The combine's launch trigger comes after the last product, as in the other loops."""
     res = offline_compile(
         f"k = oc.compile_wgmma(64, 3, warps=4, one_scorer=True, query_in_registers=True, "
         f"merge={merge}); r = oc.resources(k); ptx = k.asm['ptx']; import re; "
         "r['rs'] = len(re.findall(r'm64n64k16\\.f32\\.bf16\\.bf16\\s+\\{[^}]*\\},\\s*\\{', ptx)); "
         "r['m64n64'] = ptx.count('m64n64k16'); r['m64n128'] = ptx.count('m64n128k16'); "
-        "r['m64n256'] = ptx.count('m64n256k16'); print(r)"
+        "r['m64n256'] = ptx.count('m64n256k16'); " + _TRIGGER_AFTER_LOOP + "print(r)"
     )
     assert res["rs"] == 32 and res["m64n64"] == 44, res
+    assert res["trigger"] == [1, True], res
     assert res["m64n128"] == 4 and res["m64n256"] == 4 and res["mma.sync"] == 0, res
     assert res["hgmma"] == 52 and res["wgmma_waits"] <= 8, res
     assert res["shared_bytes"] <= 232448, res
