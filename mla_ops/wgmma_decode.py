@@ -2577,8 +2577,8 @@ def _mla_decode_wgmma_kernel(
     # Programmatic dependent launch: the combine may launch once every program is past its loop
     # (an empty split, which returned above, counts at its exit); it waits on the device for
     # this grid's writes (triton_kernels.has_pdl). Issued at the program's entry instead, which
-    # launched the combine while the decode still streamed, every call with a combine took
-    # 0.3-1.2 us longer on an H200 ((d) 1.0-1.2 us; NOTES.md item 84).
+    # launched the combine while the decode still streamed, the benchmark's calls that run the
+    # combine, (b)-(e), took 0.5-1.2 us longer on an H200 ((d) 1.0-1.2 us; NOTES.md item 84).
     gl.inline_asm_elementwise(
         "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
         is_pure=False, pack=1,

@@ -1,7 +1,8 @@
 """(d)'s time as a straight line in its bytes: the steady read rate and the cost paid once per call.
 
-(d) (B=4, H=16, T=65536) runs 128 programs of 32 tiles; the same 128 programs at other lengths
-read other amounts of cache in the same way. Timing each variant at several lengths of one batch
+(d) (B=4, H=16, T=65536) runs 128 programs of 32 tiles; the planner cuts other lengths of that
+batch into as many programs (up to 64K tokens a sequence; 132 at 128K), which read other amounts
+of cache in the same way. Timing each variant at several lengths of one batch
 and head count and fitting ``time = bytes / rate + fixed`` separates what the loop pays per byte
 (the slope) from what a call pays once (the intercept: launch, each program's start before its
 first copy lands, its last tile and epilogue, the tail, the merge). The variants:

@@ -1099,8 +1099,8 @@ def test_compiles_to_wgmma_for_sm90(
     float8, the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the
     stale-row select), a float8 k_pe's too. Merging (``mla::attention``): exactly one
     release-acquire arrival, partials read past L1. One ``griddepcontrol.launch_dependents``,
-    after the loop's last product (the combine launched at the programs' entries made every
-    call with a combine 0.3-1.2 us slower on an H200: NOTES.md item 84)."""
+    after the loop's last product (the combine launched at the programs' entries made the
+    benchmark's calls that run it, (b)-(e), 0.5-1.2 us slower on an H200: NOTES.md item 84)."""
     from mla_ops import triton_kernels, wgmma_decode
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
