@@ -201,8 +201,6 @@ def _mla_decode_kernel(
     FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (the combine) launch early (PDL)
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
     num_row_blocks = tl.cdiv(S_Q * H, BLOCK_M)
@@ -394,6 +392,13 @@ def _mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if LAUNCH_DEPENDENTS:
+        # The combine may launch once every program is past its loop (an empty split, which
+        # returned above, counts at its exit); it waits on the device for this grid's writes.
+        # At the entry instead, the benchmark's calls took 0.5-1.3 us longer on an H200 with
+        # this kernel ((c), (d), (e); (b) level), as they did with the wgmma kernel (NOTES.md
+        # items 84 and 85).
+        gdc_launch_dependents()
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None] * nope_scale  # the value is kv_c: dequantise once, here

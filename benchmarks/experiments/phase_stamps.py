@@ -20,6 +20,9 @@ combine once.
 
     python benchmarks/experiments/phase_stamps.py --cases a,d,e,c,b --out $OUT
     python benchmarks/experiments/phase_stamps.py --cases 1x16x32k,1x16x32k_mask --out $OUT
+    python benchmarks/experiments/phase_stamps.py --cases d,d@32/-,d@32/128 --out $OUT
+
+A case may name its plan after ``@``: ``num_splits/total_splits`` (``-``: no total).
 
 (NOTES.md item 32 also timed ``--claim``, tiles claimed from per-sequence counters, from a
 branch that was not kept.)
@@ -116,9 +119,13 @@ def stamp_case(name: str, ceil: dict, runs: int) -> tuple[dict, list]:
     ``runs`` stamped launches summarised (and their raw stamps)."""
     from mla_ops import triton_kernels as tk
 
+    name, _, plan_spec = name.partition("@")  # "d@32/-": case d under num_splits 32, no total
     case = CASES[name]
     copies = bd.input_copies(case, torch.cuda.get_device_properties(0).L2_cache_size)
     plan = bd.planned(case, copies[0])
+    if plan_spec:
+        n, t = plan_spec.split("/")
+        plan = (int(n), None if t == "-" else int(t))
     kv_c, k_pe = copies[0].decode_cache()
     tile_bytes = wd.BLOCK_N * (kv_c.shape[-1] * kv_c.element_size() + k_pe.shape[-1] * 2)
     block_m, _ = tk.wgmma_tiling(case.heads * case.s_q)
@@ -145,7 +152,8 @@ def stamp_case(name: str, ceil: dict, runs: int) -> tuple[dict, list]:
         summaries.append(summary)
         raw.append(stamps.cpu().tolist())
     row = dict(
-        case=name, plan=list(plan), programs=programs, block_m=block_m,
+        case=name + (f"@{plan_spec}" if plan_spec else ""), plan=list(plan), programs=programs,
+        block_m=block_m,
         decode_us=t_plain * 1e6, stamped_decode_us=t_marked * 1e6, rel_err=err,
         floor_us=bd.floor_seconds(case, dict(ceil)) * 1e6, runs=summaries,
     )  # fmt: skip
