@@ -36,7 +36,7 @@ def call(module, inp, plan):
     _, s_q, h, _ = inp.q.shape
     config = module.default_config(
         s_q * h, kv_c.shape[-1], k_pe.shape[-1], inp.q.element_size(),
-        tk.shared_memory_optin(inp.q.device),
+        tk.shared_memory_optin(inp.q.device), kv_c.dtype == torch.float8_e4m3fn,
     )  # fmt: skip
     config = replace(config, use_wgmma=False)
     kernel = module._DecodeKernel(

@@ -13,7 +13,13 @@ import pytest
 import torch
 
 from tests.conftest import HAS_CUDA, triton_available
-from tests.mla_ops.cases import assert_matches, make_case, offline_compile, poison_hidden_keys
+from tests.mla_ops.cases import (
+    TRIGGER_AFTER_LOOP,
+    assert_matches,
+    make_case,
+    offline_compile,
+    poison_hidden_keys,
+)
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -342,11 +348,9 @@ def test_combine_launches_once_the_loop_is_done(rows: int, dtype: str) -> None:
     res = offline_compile(
         f"from mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
         f"ptx = oc.compile_decode(cfg, heads={rows}, s_q=1, page_size=64, dtype={dtype!r}, "
-        "tma=cfg.use_tma is not False).asm['ptx']; g = 'griddepcontrol.launch_dependents'; "
-        "last = max(ptx.rfind(m) for m in ('wgmma.mma_async', 'wgmma.wait_group', 'mma.sync')); "
-        "print([ptx.count(g), last > 0, ptx.find(g) > last])"
+        "tma=cfg.use_tma is not False).asm['ptx']; r = {}; " + TRIGGER_AFTER_LOOP + "print(r)"
     )
-    assert res == [1, True, True], (cfg, res)
+    assert res["trigger"] == [1, True, True], (cfg, res)
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import HAS_CUDA, triton_available
-from tests.mla_ops.cases import assert_matches, make_case, offline_compile
+from tests.mla_ops.cases import TRIGGER_AFTER_LOOP, assert_matches, make_case, offline_compile
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
@@ -1060,15 +1060,6 @@ def test_no_wgmma_off_hopper() -> None:
     assert not triton_kernels.has_wgmma(torch.device("cpu"))
 
 
-# For an offline compile's statements: how many combine launch triggers its PTX has, and whether
-# the first comes after every warpgroup MMA and MMA wait (after the loop, not at the entry).
-_TRIGGER_AFTER_LOOP = (
-    "g = 'griddepcontrol.launch_dependents'; "
-    "r['trigger'] = [ptx.count(g), ptx.find(g) > max(ptx.rfind('wgmma.mma_async'), "
-    "ptx.rfind('wgmma.wait_group'))]; "
-)
-
-
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize(
     ("rows", "stages", "kv_dtype", "page_size", "rows_on_m", "merge", "pe_dtype"),
@@ -1112,10 +1103,10 @@ def test_compiles_to_wgmma_for_sm90(
         "r = oc.resources(k); ptx = k.asm['ptx']; "
         "r['cvt_e4m3'] = ptx.count('cvt.rn.f16x2.e4m3x2'); r['m64n256'] = ptx.count('m64n256k16'); "
         "r['arrive'] = ptx.count('atom.global.gpu.acq_rel.add'); "
-        "r['cg'] = ptx.count('ld.global.cg'); " + _TRIGGER_AFTER_LOOP + "print(r)"
+        "r['cg'] = ptx.count('ld.global.cg'); " + TRIGGER_AFTER_LOOP + "print(r)"
     )
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
-    assert res["trigger"] == [1, True], res
+    assert res["trigger"] == [1, True, True], res
     if gather:  # every row copy 16 bytes wide
         assert res["tma"] == 0 and res["cp.async"] > 0, res
         assert res["cp.async_16B"] == res["cp.async"], res
@@ -1400,10 +1391,10 @@ def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> No
         f"merge={merge}); r = oc.resources(k); ptx = k.asm['ptx']; import re; "
         "r['rs'] = len(re.findall(r'm64n64k16\\.f32\\.bf16\\.bf16\\s+\\{[^}]*\\},\\s*\\{', ptx)); "
         "r['m64n64'] = ptx.count('m64n64k16'); r['m64n128'] = ptx.count('m64n128k16'); "
-        "r['m64n256'] = ptx.count('m64n256k16'); " + _TRIGGER_AFTER_LOOP + "print(r)"
+        "r['m64n256'] = ptx.count('m64n256k16'); " + TRIGGER_AFTER_LOOP + "print(r)"
     )
     assert res["rs"] == 32 and res["m64n64"] == 44, res
-    assert res["trigger"] == [1, True], res
+    assert res["trigger"] == [1, True, True], res
     assert res["m64n128"] == 4 and res["m64n256"] == 4 and res["mma.sync"] == 0, res
     assert res["hgmma"] == 52 and res["wgmma_waits"] <= 8, res
     assert res["shared_bytes"] <= 232448, res
