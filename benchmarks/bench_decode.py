@@ -565,6 +565,37 @@ def time_rounds(
             del fns
 
 
+def versions_line(ceil: dict) -> str:
+    """The GPU, torch and Triton versions and the measured ceilings, for an experiment's table."""
+    return (
+        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, "
+        f"triton {triton.__version__}; {ceil}"
+    )
+
+
+def time_decode_rounds(calls: dict[str, tuple], rounds: int) -> list[dict]:
+    """Each variant's decode alone and with ``mla::combine`` (``name -> (decode, combined)``
+    closures), timed as graph replays in ``rounds`` rounds that repeat the variants in order:
+    rows of ``variant``, ``combine``, ``round`` and ``us``."""
+    rows = []
+    for rnd in range(rounds):
+        for name, pair in calls.items():
+            for combine, fn in zip((False, True), pair, strict=True):
+                t = time_rotating([graphed(fn)], warmup=10, rep=100)
+                rows.append(dict(variant=name, combine=combine, round=rnd, us=t * 1e6))
+                print(rows[-1], flush=True)
+    return rows
+
+
+def decode_round_text(rows: list[dict], name: str) -> tuple[str, str]:
+    """Variant ``name``'s times in ``time_decode_rounds``' rows: the decode alone's and with the
+    combine's, each as the rounds' us separated by spaces."""
+    return tuple(
+        " ".join(f"{r['us']:.1f}" for r in rows if r["variant"] == name and r["combine"] == c)
+        for c in (False, True)
+    )
+
+
 def load_kernel_source(path: str | Path, name: str):
     """A ``wgmma_decode`` module built from another copy of its source at ``path`` (for A/B runs:
     Triton keys its kernel cache on the source, so the copy compiles apart from the package's)."""

@@ -54,25 +54,21 @@ def main() -> None:
         ref = bd.reference(inp, SimpleNamespace(batch=inp.q.shape[0], s_q=1))
         errs[name] = bd.rel_err(bd.wgmma_call(inp, *p, **launch_kw[name])(), ref)
     stamps = {name: stamped(inp, *p) for name, (inp, p) in variants.items() if not launch_kw[name]}
-    rows = []
-    for rnd in range(args.rounds):
-        for name, (inp, p) in variants.items():
-            for combine in (False, True):
-                fn = bd.wgmma_call(inp, *p, with_combine=combine, **launch_kw[name])
-                t = bd.time_rotating([bd.graphed(fn)], warmup=10, rep=100)
-                rows.append(dict(variant=name, combine=combine, round=rnd, us=t * 1e6))
-                print(rows[-1], flush=True)
+    calls = {
+        name: tuple(
+            bd.wgmma_call(inp, *p, with_combine=c, **launch_kw[name]) for c in (False, True)
+        )
+        for name, (inp, p) in variants.items()
+    }
+    rows = bd.time_decode_rounds(calls, args.rounds)
     bd.save_experiment(args.out, "empty_splits", ceil, rows, errors=errs, stamps=stamps)
-    print(f"\n{torch.cuda.get_device_name()}; torch {torch.__version__}, "
-          f"triton {bd.triton.__version__}; {ceil}")  # fmt: skip
+    print("\n" + bd.versions_line(ceil))
     print(f"{'variant':18}{'decode us':>22}{'+combine us':>22}{'span':>7}{'p50':>7}  err")
     for name in variants:
-        dec = [r["us"] for r in rows if r["variant"] == name and not r["combine"]]
-        com = [r["us"] for r in rows if r["variant"] == name and r["combine"]]
+        dec, com = bd.decode_round_text(rows, name)
         st = stamps.get(name, dict(span_us=float("nan"), exit_p50=float("nan")))
         print(
-            f"{name:18}{' '.join(f'{u:.1f}' for u in dec):>22}"
-            f"{' '.join(f'{u:.1f}' for u in com):>22}{st['span_us']:7.1f}{st['exit_p50']:7.1f}"
+            f"{name:18}{dec:>22}{com:>22}{st['span_us']:7.1f}{st['exit_p50']:7.1f}"
             f"  {errs[name]:.1e}   floor {floor * 1e6:.1f}"
         )
 
