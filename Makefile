@@ -9,17 +9,20 @@ TORCH_SPEC ?= torch==2.13.0
 # The run pinned to a transformers release whose MLA attention caches expanded K/V (<= 5.14):
 # the rewritten model must cache latents there too.
 LEGACY_VENV := .venv-legacy
-LEGACY_PY := $(LEGACY_VENV)/bin/python
 TRANSFORMERS_LEGACY ?= transformers==5.14.1
 LEGACY_TESTS := tests/fx_passes tests/mla_ops/test_paged_cache.py tests/mla_ops/test_paged_ops.py \
 	tests/mla_ops/test_hf_cache.py tests/mla_ops/test_hf_cache_kwargs.py
+# The same tests pinned to the last release of the mixed forms (5.15-5.17): the MLA families
+# cache latents, the DeepSeek Sparse Attention ones still expanded K/V (MLACache refuses those).
+MIXED_VENV := .venv-mixed
+TRANSFORMERS_MIXED ?= transformers==5.17.0
 
 # Test workers (pytest-xdist): one per CPU the system reports, at most 8 (each holds torch and transformers, ~1 GB).
 # `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --maxprocesses=8
 
-.PHONY: demo test test-legacy lint format install clean
+.PHONY: demo test test-legacy test-mixed lint format install clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,11 +30,16 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[test,bench]"
 	touch $@
 
-$(LEGACY_VENV)/.installed: pyproject.toml Makefile
-	$(PYTHON) -m venv $(LEGACY_VENV)
-	$(LEGACY_PY) -m pip install --quiet --upgrade pip
-	$(LEGACY_PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[test]" "$(TRANSFORMERS_LEGACY)"
-	touch $@
+# A venv pinned to one transformers release: $(1) its folder, $(2) the requirement.
+define pinned_venv
+$(1)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[test]" "$(2)"
+	touch $$@
+endef
+$(eval $(call pinned_venv,$(LEGACY_VENV),$(TRANSFORMERS_LEGACY)))
+$(eval $(call pinned_venv,$(MIXED_VENV),$(TRANSFORMERS_MIXED)))
 
 install: $(VENV)/.installed
 
@@ -42,7 +50,10 @@ test: install
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-legacy: $(LEGACY_VENV)/.installed
-	$(LEGACY_PY) -m pytest -q $(XDIST) $(LEGACY_TESTS) $(PYTEST_ARGS)
+	$(LEGACY_VENV)/bin/python -m pytest -q $(XDIST) $(LEGACY_TESTS) $(PYTEST_ARGS)
+
+test-mixed: $(MIXED_VENV)/.installed
+	$(MIXED_VENV)/bin/python -m pytest -q $(XDIST) $(LEGACY_TESTS) $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .
@@ -53,4 +64,4 @@ format: install
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(LEGACY_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(LEGACY_VENV) $(MIXED_VENV) build *.egg-info .pytest_cache

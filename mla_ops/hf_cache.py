@@ -10,11 +10,12 @@ transformers 5.24 renamed the cache argument of ``forward`` and ``generate`` fro
 ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40): ``cache_kwargs(model,
 cache)`` passes the cache by the name a model takes, ``output_cache(output)`` reads it back.
 
-transformers >= 5.15: the MLA attention calls ``update(kv_c [B, 1, S, L], k_pe [B, 1, S, R])``;
-the cache stores the rows and returns the latents (growing mode: ``T`` = the length; static mode:
-the capacity, zero past the length, through ``mla::paged_rows``), so an unrewritten model
-generates exactly as with ``DynamicCache``, and ``fx_passes`` turns the read into ``mla_decode``
-over the pages.
+transformers >= 5.15 (>= 5.18 for the DeepSeek Sparse Attention families, see
+``MIN_TRANSFORMERS_SPARSE``): the MLA attention calls ``update(kv_c [B, 1, S, L], k_pe [B, 1,
+S, R])``; the cache stores the rows and returns the latents (growing mode: ``T`` = the length;
+static mode: the capacity, zero past the length, through ``mla::paged_rows``), so an unrewritten
+model generates exactly as with ``DynamicCache``, and ``fx_passes`` turns the read into
+``mla_decode`` over the pages.
 
 transformers < 5.15 (and DeepSeek's original remote code): the attention hands the cache expanded
 per-head K/V (told apart from latents by shape). In static mode, under
@@ -41,6 +42,10 @@ from .paged_cache import PagedLatentCache, capacity_for
 
 # The first release whose MLA attention caches latents (kv_c, k_pe) instead of per-head K/V.
 MIN_TRANSFORMERS = (5, 15)
+# The same for the DeepSeek Sparse Attention families (deepseek_v32, glm_moe_dsa, axk2, hy_v4,
+# glm5_next): through 5.17 their attention caches expanded per-head K/V and runs the indexer
+# around them; 5.18 caches their latents too.
+MIN_TRANSFORMERS_SPARSE = (5, 18)
 
 
 def transformers_version() -> tuple[int, int]:
@@ -49,6 +54,7 @@ def transformers_version() -> tuple[int, int]:
 
 
 LATENT_ATTENTION = transformers_version() >= MIN_TRANSFORMERS
+SPARSE_LATENT_ATTENTION = transformers_version() >= MIN_TRANSFORMERS_SPARSE
 
 
 def cache_kwargs(model: torch.nn.Module, cache: Cache | None) -> dict[str, Cache | None]:
@@ -318,12 +324,12 @@ def _latent_width(text, layer: int) -> tuple[int | None, int]:
 def _sparse_refusal(text) -> str | None:
     """Why MLACache cannot keep a DeepSeek Sparse Attention model's indexer state (None if it
     can): it keeps one key per token per indexed layer, written after the layer's latents, as
-    transformers >= 5.15's latent-caching attention does."""
-    if not LATENT_ATTENTION:
+    the latent-caching attention of transformers >= 5.18 does for these families."""
+    if not SPARSE_LATENT_ATTENTION:
         return (
             f"transformers {transformers.__version__} runs its indexer around expanded K/V "
-            f"(latent caching, and MLACache's indexer keys, need >= {MIN_TRANSFORMERS[0]}."
-            f"{MIN_TRANSFORMERS[1]})"
+            "(latent caching of sparse-attention models, and MLACache's indexer keys, need >= "
+            f"{MIN_TRANSFORMERS_SPARSE[0]}.{MIN_TRANSFORMERS_SPARSE[1]})"
         )
     if getattr(text, "index_kpool", 1) > 1:
         return f"its indexer caches keys pooled over {text.index_kpool} tokens (index_kpool)"
@@ -358,7 +364,7 @@ class MLACache(Cache):
         # config (Dots 3 Note's per-layer MLA shapes) refuses to give globally.
         sparse = getattr(text, "index_topk", None) is not None
         # DeepSeek Sparse Attention's layers: "indexed_attention" ("deepseek_sparse_attention"
-        # before transformers 5.15)
+        # before transformers 5.18)
         indexed = {"indexed_attention", "deepseek_sparse_attention"}
         kept = {"full_attention", *indexed} if sparse else {"full_attention"}
         other_layers = sorted(set(getattr(text, "layer_types", None) or ()) - kept)

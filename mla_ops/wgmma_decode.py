@@ -2748,7 +2748,7 @@ def descriptor(t: torch.Tensor, block_n: int = BLOCK_N) -> TensorDescriptor:
     return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width], layout)
 
 
-def launch(
+def prepared_call(
     q: torch.Tensor,
     kv_c: torch.Tensor,
     k_pe: torch.Tensor,
@@ -2761,13 +2761,12 @@ def launch(
     causal: bool,
     *plan: object,
     **options: object,
-):
-    """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
-
-    ``prepare(q, kv_c, k_pe, block_table, out, lse, causal, *plan, **options)`` (``plan`` from
-    ``num_splits`` on; see ``prepare`` for every argument), then its launch with this call's
-    ``launch_data``.
-    """
+) -> tuple[PreparedLaunch, dict[str, object]]:
+    """``launch``'s two steps, not yet run: ``(prepared, data)``, where
+    ``prepared = prepare(q, kv_c, k_pe, block_table, out, lse, causal, *plan, **options)``
+    (``plan`` from ``num_splits`` on; see ``prepare`` for every argument) and ``data`` is this
+    call's ``launch_data``. ``prepared.launch(data)`` runs it; an experiment may change the
+    prepared launch (its grid, say) first."""
     # Bound to prepare's signature so that the per-call tensors launch_data also needs are found
     # whether they came by position or by keyword.
     bound = inspect.signature(prepare).bind(
@@ -2781,6 +2780,14 @@ def launch(
         arg["gather"], merge_into=arg["merge_into"], stamps=arg["stamps"],
         attn_mask=arg["attn_mask"],
     )  # fmt: skip
+    return prepared, data
+
+
+def launch(*args: object, **options: object):
+    """Launch the kernel into preallocated partials ``out``/``lse``; returns the compiled kernel.
+    The arguments are ``prepared_call``'s: ``q, kv_c, k_pe, cache_seqlens, block_table, out,
+    lse, softmax_scale, kv_scale, causal, *plan, **options``."""
+    prepared, data = prepared_call(*args, **options)
     return prepared.launch(data)
 
 

@@ -19,7 +19,6 @@ checked against the float32 reference, so a grid that cut a real chunk shows as 
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -41,23 +40,12 @@ class GridCut:
     def __init__(self, programs: int | None) -> None:
         self.programs = programs
 
-    def launch(self, q, kv_c, k_pe, cache_seqlens, block_table, out, lse, scale, kv_scale,
-               causal, *plan, **options):  # fmt: skip
-        bound = inspect.signature(wd.prepare).bind(
-            q, kv_c, k_pe, block_table, out, lse, causal, *plan, **options
-        )
-        prepared = wd.prepare(*bound.args, **bound.kwargs)
+    def launch(self, *args, **options):
+        prepared, data = wd.prepared_call(*args, **options)
         if self.programs is not None:
             if self.programs > prepared.grid[0]:
                 raise ValueError(f"grid {self.programs} > the full {prepared.grid[0]}")
             prepared.grid = (self.programs, 1, 1)
-        bound.apply_defaults()
-        arg = bound.arguments
-        data = wd.launch_data(
-            q, kv_c, k_pe, cache_seqlens, block_table, out, lse, scale, kv_scale,
-            arg["gather"], merge_into=arg["merge_into"], stamps=arg["stamps"],
-            attn_mask=arg["attn_mask"],
-        )  # fmt: skip
         return prepared.launch(data)
 
 

@@ -20,10 +20,12 @@ from tests.fx_passes.tiny_models import (
     FAMILIES,
     SPARSE_ATTENTION,
     attention_layers,
+    latent_attention,
     left_padded_batch,
     llama_model,
     relative_error,
     rewritten,
+    skip_unless_latent_attention,
     tiny_model,
     truth_model,
 )
@@ -53,6 +55,7 @@ def decode_step_logits(model, exact, ids, mask):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decode_step_float64(family: str, attn: str) -> None:
+    skip_unless_latent_attention(family)
     model = tiny_model(family, attn=attn, yarn=family != "kimi_linear")
     exact = truth_model(model)
     ids, mask = left_padded_batch((4, 11, 7))
@@ -116,6 +119,7 @@ def test_greedy_generate_float64(family: str, attn: str) -> None:
     rewritten. Eager: prompts stay <= 8 tokens so the prefill is rewritten too (the original
     eager float64 prefill would write NaN at the pad positions).
     """
+    skip_unless_latent_attention(family)
     model = tiny_model(family, attn=attn, yarn=family != "kimi_linear")
     exact = truth_model(model)
     ids, mask = left_padded_batch((5, 11) if attn == "sdpa" else (3, 8), seed=1)
@@ -131,6 +135,7 @@ def test_sparse_attention_mask_hides_keys(family: str) -> None:
     """The sparse families' equality tests are not dense attention in disguise: with the tests'
     top-k the original's decode step differs from the same weights keeping every key, and the
     rewritten step follows the sparse one."""
+    skip_unless_latent_attention(family)
     model = tiny_model(family)
     exact = truth_model(model)
     ids, mask = left_padded_batch((4, 11, 7))
@@ -145,6 +150,21 @@ def test_sparse_attention_mask_hides_keys(family: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "family", [f for f in SPARSE_ATTENTION if f in FAMILIES and not latent_attention(f)]
+)
+def test_sparse_attention_over_expanded_kv_is_left_as_it_is(family: str) -> None:
+    """transformers 5.15-5.17 run the sparse-attention families' indexer around expanded K/V
+    (the values come from the cache, not from the latent's projection): the rewrite leaves
+    their attention as it is, and the compiled step still gives the float64 original's logits.
+    No cases on other releases."""
+    model = tiny_model(family)
+    ids, mask = left_padded_batch((4, 11, 7))
+    got, want, _ = decode_step_logits(model, truth_model(model), ids, mask)
+    assert counters["mla"]["absorbed_sites"] == 0
+    assert relative_error(got, want) <= 1e-10
+
+
+@pytest.mark.parametrize(
     "family", [f for f, config in EAGER_ONLY.items() if hasattr(transformers, config)]
 )
 def test_attention_sinks_float64(family: str) -> None:
@@ -152,6 +172,7 @@ def test_attention_sinks_float64(family: str) -> None:
     scores (eager attention only; its max subtracted first): the rewritten decode step scales each
     row by sigmoid(lse - sink), within 1e-10 of the original, and greedy generate gives its
     tokens."""
+    skip_unless_latent_attention(family)
     model = tiny_model(family, attn="eager")
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():

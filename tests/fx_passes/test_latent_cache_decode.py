@@ -3,7 +3,8 @@ mla_decode (block table, device lengths), compiles once, and generates the origi
 
 Every test runs on any transformers release: >= 5.15 hands the cache latents; < 5.15 hands it
 expanded K/V, which the rewrite turns into latent appends (fx_passes/latent_cache.py), so the
-same tests are the pinned-release CI run's proof that the rewritten model caches latents."""
+same tests are the pinned-release CI run's proof that the rewritten model caches latents. The
+sparse-attention families hand it latents only from 5.18, and MLACache refuses them before."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ import fx_passes
 from tests.fx_passes.tiny_models import (
     FAMILIES,
     FULLGRAPH,
-    LATENT_ATTENTION,
     NOT_FOR_MLA_CACHE,
     SPARSE_ATTENTION,
     attention_layers,
+    latent_attention,
     left_padded_batch,
     rewritten,
     tiny_model,
@@ -35,12 +36,13 @@ def latent_cache(model, page_size: int = 4, max_length: int = 64):
     return hf_cache.MLACache(model.config, max_length=max_length, page_size=page_size, static=True)
 
 
-# Sparse-attention families keep their indexer's keys beside the latents (transformers >= 5.15);
-# the families in NOT_FOR_MLA_CACHE, and the sparse ones before 5.15, are refused (below).
+# Sparse-attention families keep their indexer's keys beside the latents (transformers >= 5.18);
+# the families in NOT_FOR_MLA_CACHE, and the sparse ones before 5.18, are refused (below).
 CASES = [
     (family, "sdpa")
     for family in FAMILIES
-    if family not in NOT_FOR_MLA_CACHE and (LATENT_ATTENTION or family not in SPARSE_ATTENTION)
+    if family not in NOT_FOR_MLA_CACHE
+    and (family not in SPARSE_ATTENTION or latent_attention(family))
 ]
 CASES += [("deepseek_v3", "eager")]
 
@@ -76,7 +78,8 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
     rewritten_graphs = 1 if attn == "sdpa" else 2  # eager: the short prefill is rewritten too
     assert counters["mla"]["paged_sites"] == rewritten_graphs * layers, dict(counters["mla"])
     assert counters["mla"]["absorbed_sites"] == rewritten_graphs * layers
-    if not LATENT_ATTENTION:  # prefill and decode graph each turned every update into latents
+    if not latent_attention(family):
+        # prefill and decode graph each turned every update into latents
         assert counters["mla"]["latent_cache_updates"] == 2 * layers
 
     # What a token costs: one latent row per layer (and a sparse-attention model's indexer key
@@ -99,7 +102,7 @@ def test_greedy_generate_reads_pages_in_place(family: str, attn: str) -> None:
         * 8
     )
     assert default_bytes / tokens == index_row + layers * (
-        latent_row if LATENT_ATTENTION else expanded_row
+        latent_row if latent_attention(family) else expanded_row
     )
     if FULLGRAPH[family]:
         # prefill + one decode graph for all 23 decode steps: the lengths live on the device
@@ -191,16 +194,24 @@ def test_models_whose_state_mla_cache_cannot_keep_are_refused_by_name(family: st
         latent_cache(tiny_model(family))
 
 
-@pytest.mark.skipif(LATENT_ATTENTION, reason="transformers >= 5.15 keeps the indexer's keys")
-@pytest.mark.parametrize("family", [f for f in SPARSE_ATTENTION if f in FAMILIES])
+@pytest.mark.skipif(
+    hf_cache.SPARSE_LATENT_ATTENTION, reason="transformers >= 5.18 keeps the indexer's keys"
+)
+@pytest.mark.parametrize(
+    "family", [f for f in SPARSE_ATTENTION if f in FAMILIES and f not in NOT_FOR_MLA_CACHE]
+)
 def test_sparse_attention_before_latent_attention_is_refused(family: str) -> None:
-    """Before 5.15 the indexer runs around expanded K/V, which MLACache turns into latents only
-    under the rewrite: it refuses sparse-attention models there."""
-    with pytest.raises(NotImplementedError, match=r"index_topk=4.*>= 5\.15.*default cache"):
+    """Before 5.18 a sparse-attention model's indexer runs around expanded K/V (the other MLA
+    families cache latents from 5.15), which MLACache turns into latents only under the rewrite
+    and without the indexer's keys: it refuses sparse-attention models there, naming 5.18."""
+    with pytest.raises(NotImplementedError, match=r"index_topk=4.*>= 5\.18.*default cache"):
         latent_cache(tiny_model(family))
 
 
-@pytest.mark.skipif(not LATENT_ATTENTION, reason="latent caching needs transformers >= 5.15")
+@pytest.mark.skipif(
+    not hf_cache.SPARSE_LATENT_ATTENTION,
+    reason="latent caching of sparse-attention models needs transformers >= 5.18",
+)
 def test_sparse_attention_keys_follow_the_batch() -> None:
     """The indexer's keys sit in pools of their own beside the latents, on the same pages: beam
     search and a batch regroup move them with the latents (deepseek_v32, unrewritten, growing

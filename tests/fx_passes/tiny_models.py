@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 
 import pytest
@@ -11,6 +12,16 @@ import torch
 from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
+
+from mla_ops.hf_cache import LATENT_ATTENTION, SPARSE_LATENT_ATTENTION  # noqa: E402
+
+# DeepSeek Sparse Attention's layer type: "indexed_attention" from transformers 5.18, before that
+# "deepseek_sparse_attention" (which 5.18 and later still read as the former).
+INDEXED_LAYER = (
+    "indexed_attention"
+    if "indexed_attention" in getattr(transformers.configuration_utils, "ALLOWED_LAYER_TYPES", ())
+    else "deepseek_sparse_attention"
+)
 
 # Shared MLA shapes: H=4 heads (one family uses 3: odd head counts), L=32, R=16, P=16, V=16.
 MLA = dict(
@@ -105,7 +116,7 @@ def _config(family: str, q_lora_rank: int | None, yarn: bool):
         text = dict(
             **{**MLA, "qk_rope_head_dim": 0}, **MOE, **rope, intermediate_size=128,
             num_hidden_layers=2, q_lora_rank=q_lora_rank,
-            layer_types=["linear_attention", "indexed_attention"], index_topk=SPARSE_TOP_K,
+            layer_types=["linear_attention", INDEXED_LAYER], index_topk=SPARSE_TOP_K,
             index_head_dim=16, index_n_heads=2, index_kpool=2, linear_head_dim=16,
             linear_num_heads=2, hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0,
         )  # fmt: skip
@@ -194,7 +205,27 @@ MODEL_CLASSES = {
 }
 # The tested families this transformers release has (kimi_linear arrived after 5.14).
 FAMILIES = [f for f, config in CONFIG_CLASSES.items() if hasattr(transformers, config)]
-LATENT_ATTENTION = tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 15)
+
+
+@functools.cache
+def latent_attention(family: str) -> bool:
+    """Whether this release's attention of ``family`` hands the cache latents (not expanded
+    per-head K/V): transformers >= 5.15, and >= 5.18 for the DeepSeek Sparse Attention families
+    (their configs have an ``index_topk``; ``mla_ops.hf_cache.MIN_TRANSFORMERS_SPARSE``)."""
+    text = _config(family, 24, False).get_text_config()
+    sparse = getattr(text, "index_topk", None) is not None
+    return SPARSE_LATENT_ATTENTION if sparse else LATENT_ATTENTION
+
+
+def skip_unless_latent_attention(family: str) -> None:
+    """Skip a test of the latent-caching attention where this release's ``family`` caches
+    expanded K/V instead (the sparse-attention families before transformers 5.18)."""
+    if not latent_attention(family):
+        pytest.skip(
+            f"transformers {transformers.__version__} caches {family}'s expanded K/V (its "
+            "sparse attention caches latents from 5.18)"
+        )
+
 
 # LongCat-Flash's MoE loops over the experts hit (data-dependent, its own code ignores
 # experts_implementation): the original model does not compile with fullgraph=True.
