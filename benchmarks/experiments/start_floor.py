@@ -51,10 +51,10 @@ def _first_tile(
     pid = tl.program_id(0)
     rows = tl.arange(0, TILE)
     if MODE == 0:
-        if pid < 0:  # never: an empty program the compiler cannot drop
+        if pid < 0:  # never taken: the program does nothing
             tl.store(OUT + pid, 0.0)
     else:
-        # One request for the whole tile, split 512 + 64 columns as the decode reads it.
+        # The whole tile in two loads, 512 + 64 columns, as the decode splits the row.
         base = CACHE + (pid * TILE + rows)[:, None] * 576
         nope = tl.load(base + tl.arange(0, 512)[None, :]).to(tl.float32)
         rope = tl.load(base + 512 + tl.arange(0, 64)[None, :]).to(tl.float32)
@@ -94,7 +94,7 @@ def main() -> None:
 
         return fn
 
-    # Correctness of what is loaded: each program's sum against torch's.
+    # Correctness of what is loaded: the largest grid's tile + query sums against torch's.
     call("tile + query", max(grids), 0)()
     ref = caches[0][: max(grids) * TILE].float().view(max(grids), -1).sum(1)
     ref += queries[0].float().view(2, -1).sum(1).repeat(max(grids) // 2 + 1)[: max(grids)]
