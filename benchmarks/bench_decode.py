@@ -54,8 +54,8 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import mla_ops
-from mla_ops.planner import SplitPlan, plan_splits
+from mla_compile import mla_ops
+from mla_compile.mla_ops.planner import SplitPlan, plan_splits
 
 L, R = 512, 64
 SCALE = 0.1352337788608801
@@ -447,7 +447,7 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
 def planned(case: Case, inp: Inputs) -> SplitPlan:
     """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run
     (as ``mla_decode`` asks: the capacity is the block table's pages)."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     kv_c, k_pe = inp.decode_cache()
     wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
@@ -495,9 +495,9 @@ def wgmma_call(
     tiling and ``fill_empty=False`` unless ``launch_kw`` (the variant under test) says otherwise;
     it returns the combined output, or the partials ``(out, lse)`` without the combine. For the
     experiments' A/B runs: the op itself would always take the shipped defaults."""
-    from mla_ops import triton_kernels as tk
-    from mla_ops import wgmma_decode as wd
-    from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+    from mla_compile.mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import wgmma_decode as wd
+    from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 
     kv_c, k_pe = inp.decode_cache()
     b, s_q, h, _ = inp.q.shape
@@ -601,7 +601,7 @@ def load_kernel_source(path: str | Path, name: str):
     Triton keys its kernel cache on the source, so the copy compiles apart from the package's)."""
     import importlib.util
 
-    import mla_ops
+    from mla_compile import mla_ops
 
     # Inside the package, so that the copy's relative imports (``.launcher``) resolve.
     name = f"{mla_ops.__name__}.{name}"
@@ -700,7 +700,7 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
     # decode kernel merges the splits itself (``merge``: no combine kernel, NOTES.md item 29),
     # the share is what writing the output and merging add to a decode writing float32
     # partials, and can be negative.
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     decode_out(first)
     merge = tk.LAST_LAUNCH.get("merge", "")
@@ -762,7 +762,7 @@ SWEEP_CONFIGS = [
 
 def sweep(case: Case, l2_bytes: int) -> list[dict]:
     """Time the decode kernel + combine for every tiling and a few split counts (graph replays)."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(0)
     first = Inputs(case, gen, with_contiguous=False)
@@ -961,7 +961,7 @@ PTX_MARKERS = {
 
 def diagnose(selected: list[Case], out: Path) -> None:
     """Registers, spills, shared memory and instruction mix of the compiled decode kernel."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     print(f"{'case':<5}{'cfg':<18}{'regs':>5}{'spill':>6}{'smem':>8}  ptx instruction counts")
     for case in selected:
@@ -1005,7 +1005,7 @@ def split_sweep(case: Case, l2_bytes: int) -> list[dict]:
     balanced plans give every chunk of the batch one length, from ``total_splits`` chunks over
     the batch's tokens, with ``num_splits`` = headroom x the even count.
     """
-    from mla_ops.planner import MAX_SPLITS, split_bounds
+    from mla_compile.mla_ops.planner import MAX_SPLITS, split_bounds
 
     gen = torch.Generator().manual_seed(0)
     first = Inputs(case, gen, with_contiguous=False)

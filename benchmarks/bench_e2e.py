@@ -51,9 +51,9 @@ from torch._dynamo.utils import counters
 from tqdm import tqdm
 from v2_lite import v2_lite  # benchmarks/ is the script's directory, so on sys.path
 
-import mla_ops
-from fx_passes.backend import mla
-from mla_ops.hf_cache import MLACache, cache_kwargs
+from mla_compile import mla_ops
+from mla_compile.fx_passes.backend import mla
+from mla_compile.mla_ops.hf_cache import MLACache, cache_kwargs
 
 PROFILED_STEPS = 3  # steps the attention share averages over (after the timed ones)
 VARIANTS = ("hf_eager", "hf_compile", "mla", "mla_graphs")

@@ -28,8 +28,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from mla_ops import triton_kernels as tk
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+from mla_compile.mla_ops import triton_kernels as tk
+from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 
 POINTERS = ("Q", "KV_C", "K_PE", "SEQLENS", "BLOCK_TABLE", "O_PART", "LSE_PART")
 UNIT_STRIDES = ("stride_qd", "stride_cd", "stride_pd", "stride_od", "stride_btp", "stride_lk")
@@ -117,7 +117,7 @@ def compile_wgmma(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_ops import wgmma_decode as wd
+    from mla_compile.mla_ops import wgmma_decode as wd
 
     kernel = wd._mla_decode_wgmma_kernel
     if one_scorer:
@@ -212,7 +212,7 @@ def conversion_bank_conflicts(num_warps: int, kv_len: int) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_ops import wgmma_decode as wd
+    from mla_compile.mla_ops import wgmma_decode as wd
 
     @gluon.jit
     def ask(X, W: gl.constexpr, L: gl.constexpr):

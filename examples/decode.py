@@ -19,7 +19,7 @@ import time
 
 import torch
 
-import mla_ops
+from mla_compile import mla_ops
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,7 +20,7 @@ import torch
 import transformers
 from torch.utils import _pytree as pytree
 
-import export
+from mla_compile import export
 
 
 def tiny_deepseek_v3(layers: int) -> torch.nn.Module:

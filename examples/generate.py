@@ -21,7 +21,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from mla_ops.hf_cache import MLACache, cache_kwargs, output_cache
+from mla_compile.mla_ops.hf_cache import MLACache, cache_kwargs, output_cache
 
 
 def parse_args() -> argparse.Namespace:

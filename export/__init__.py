@@ -12,6 +12,10 @@ A process that runs a program with ``mla`` nodes needs ``import mla_ops`` (the o
 ``torch.library`` custom ops); the ONNX "standard" translation needs nothing of ours.
 """
 
+from mla_compile._legacy import hand_over
+
+hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.export
+
 from . import aoti, onnx
 from .program import (
     export_decode_step,

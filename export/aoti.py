@@ -45,7 +45,7 @@ def load_package(path: str | os.PathLike) -> Callable:
     the example inputs (contiguous for ``export.decode_inputs``) and does not check them.
     """
     try:
-        import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
+        from mla_compile import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
     except ImportError as error:
         raise ImportError(registration_hint()) from error
     try:

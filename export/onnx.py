@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
-from mla_ops.reference import MASK_HIDDEN
+from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+from mla_compile.mla_ops.reference import MASK_HIDDEN
 
 CUSTOM_DOMAIN = "com.mla"
 CUSTOM_DOMAIN_VERSION = 1

@@ -13,8 +13,8 @@ import zipfile
 
 import torch
 
-from fx_passes import absorb_mla
-from fx_passes.absorb import DEFAULT_MAX_Q_LEN
+from mla_compile.fx_passes import absorb_mla
+from mla_compile.fx_passes.absorb import DEFAULT_MAX_Q_LEN
 
 from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
 
@@ -131,7 +131,7 @@ def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
     process does not define gets a message naming it, not only the deserialiser's traceback.
     """
     try:
-        import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
+        from mla_compile import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
     except ImportError as error:
         raise ImportError(_REGISTRATION_HINT) from error
     missing = [op for op in sorted(mla_ops_in_archive(path)) if not _resolves(op)]

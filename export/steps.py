@@ -24,7 +24,7 @@ def _dynamic_cache(config, past: CacheTensors = ()):
 
 def _step(model, input_ids, attention_mask, position_ids, past: CacheTensors):
     """Run ``model`` over a ``DynamicCache`` holding ``past``: ``(logits, present)``."""
-    from mla_ops.hf_cache import cache_kwargs  # imports transformers: needed only here
+    from mla_compile.mla_ops.hf_cache import cache_kwargs  # imports transformers: needed only here
 
     cache = _dynamic_cache(model.config, past)
     out = model(

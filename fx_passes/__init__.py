@@ -9,6 +9,10 @@
   ``fx_passes`` logger reports every site found, rewritten or skipped (INFO).
 """
 
+from mla_compile._legacy import hand_over
+
+hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.fx_passes
+
 from .absorb import DEFAULT_MAX_Q_LEN, AbsorbReport, SiteReport, absorb_mla, absorbed_mla_attention
 from .backend import mla, mla_eager
 

@@ -32,7 +32,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from mla_ops import mla_decode
+from mla_compile.mla_ops import mla_decode
 
 from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
 from .latent_cache import rewrite_cache_updates

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-import mla_ops  # noqa: F401  (registers torch.ops.mla.*, matched below)
+from mla_compile import mla_ops  # noqa: F401  (registers torch.ops.mla.*, matched below)
 
 aten = torch.ops.aten
 

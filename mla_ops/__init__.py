@@ -5,6 +5,10 @@ Importing this package registers ``torch.ops.mla.decode``, ``torch.ops.mla.combi
 (Triton kernels on CUDA, a PyTorch implementation elsewhere, fake functions for compile/export).
 """
 
+from mla_compile._legacy import hand_over
+
+hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.mla_ops
+
 from .ops import (
     FP8_CACHE_DTYPE,
     SUPPORTED_DTYPES,

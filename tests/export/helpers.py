@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from export import DecodeStep, PrefillStep
+from mla_compile.export import DecodeStep, PrefillStep
 from tests.fx_passes.tiny_models import tiny_model
 
 transformers = pytest.importorskip("transformers")

@@ -9,13 +9,13 @@ import sys
 import pytest
 import torch
 
-import export
-from export import decode_inputs
+from mla_compile import export
+from mla_compile.export import decode_inputs
 from tests.export.helpers import EXPORT_FAMILIES, SHAPES, eager_decode, float32_model
 
 RUN_PACKAGE = """
 import sys, torch
-import export  # export.aoti.load_package registers the mla ops (import mla_ops)
+from mla_compile import export  # export.aoti.load_package registers the mla ops (import mla_ops)
 package, cases = sys.argv[1], torch.load(sys.argv[2])
 run = export.aoti.load_package(package)
 errors = []

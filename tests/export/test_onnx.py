@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-import export
-from export import decode_inputs
+from mla_compile import export
+from mla_compile.export import decode_inputs
 from tests.export.helpers import EXPORT_FAMILIES, eager_decode, float32_model, relative_error
 from tests.mla_ops.cases import LSE_TOLERANCE, TOLERANCE, make_case
 

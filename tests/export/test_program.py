@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 from torch.utils import _pytree as pytree
 
-import export
-from export import decode_inputs, prompt_inputs
-from fx_passes import absorb_mla
+from mla_compile import export
+from mla_compile.export import decode_inputs, prompt_inputs
+from mla_compile.fx_passes import absorb_mla
 from tests.export.helpers import (
     EXPORT_FAMILIES,
     SHAPES,
@@ -123,7 +123,7 @@ def test_fresh_process_needs_the_registration(decode_program, tmp_path) -> None:
         "    sys.exit('loaded without the registration')\n"
         "except RuntimeError:\n"
         "    pass\n"
-        "import export\n"
+        "from mla_compile import export\n"
         "print(export.mla_op_counts(export.load_program(path)))\n"
     )
     done = subprocess.run(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
-import fx_passes
-from fx_passes import absorb_mla
+from mla_compile import fx_passes
+from mla_compile.fx_passes import absorb_mla
 
 B, H, S, T, L, R, P, V, D = 2, 3, 1, 9, 32, 16, 16, 8, 40
 
@@ -229,8 +229,8 @@ def test_backend_names_are_registered_by_entry_point() -> None:
     from importlib.metadata import entry_points
 
     names = {ep.name: ep.value for ep in entry_points(group="torch_dynamo_backends")}
-    assert names.get("mla") == "fx_passes.backend:mla"
-    assert names.get("mla_eager") == "fx_passes.backend:mla_eager"
+    assert names.get("mla") == "mla_compile.fx_passes.backend:mla"
+    assert names.get("mla_eager") == "mla_compile.fx_passes.backend:mla_eager"
     from torch._dynamo.backends.registry import lookup_backend
 
     assert lookup_backend("mla") is fx_passes.mla

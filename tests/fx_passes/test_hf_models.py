@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_ops.hf_cache import cache_kwargs, output_cache
+from mla_compile.mla_ops.hf_cache import cache_kwargs, output_cache
 from tests.fx_passes.tiny_models import (
     EAGER_ONLY,
     FAMILIES,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import fx_passes
+from mla_compile import fx_passes
 from tests.fx_passes.tiny_models import (
     FAMILIES,
     FULLGRAPH,
@@ -28,7 +28,7 @@ from tests.fx_passes.tiny_models import (
     truth_model,
 )
 
-hf_cache = pytest.importorskip("mla_ops.hf_cache")
+hf_cache = pytest.importorskip("mla_compile.mla_ops.hf_cache")
 transformers = pytest.importorskip("transformers")
 
 

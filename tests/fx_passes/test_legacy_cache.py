@@ -18,7 +18,7 @@ from tests.fx_passes.tiny_models import (
 if LATENT_ATTENTION:
     pytest.skip("transformers >= 5.15 caches latents itself", allow_module_level=True)
 
-from mla_ops.hf_cache import MLACache, cache_kwargs
+from mla_compile.mla_ops.hf_cache import MLACache, cache_kwargs
 
 
 def test_unrewritten_model_keeps_expanded_kv_and_says_so() -> None:

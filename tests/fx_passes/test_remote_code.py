@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
-from mla_ops.hf_cache import MLACache  # noqa: E402
+from mla_compile.mla_ops.hf_cache import MLACache  # noqa: E402
 
 HIDDEN, H, L, R, P, V = 48, 3, 32, 16, 16, 16
 

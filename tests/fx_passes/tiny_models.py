@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
 
-from mla_ops.hf_cache import LATENT_ATTENTION, SPARSE_LATENT_ATTENTION  # noqa: E402
+from mla_compile.mla_ops.hf_cache import LATENT_ATTENTION, SPARSE_LATENT_ATTENTION  # noqa: E402
 
 # DeepSeek Sparse Attention's layer type: "indexed_attention" from transformers 5.18, before that
 # "deepseek_sparse_attention" (which 5.18 and later still read as the former).

@@ -10,7 +10,7 @@ import torch
 def kernels(monkeypatch):
     """``mla_ops.triton_kernels`` with every kernel output allocated poisoned (NaN), to prove that
     the kernels write every element they return."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     def poisoned(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)

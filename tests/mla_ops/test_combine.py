@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_ops
+from mla_compile import mla_ops
 from tests.conftest import HAS_CUDA
 from tests.mla_ops.cases import make_case
 
@@ -88,7 +88,7 @@ def test_decode_then_combine_in_a_cuda_graph_matches_eager(page_size: int) -> No
     waits on the device for the decode's partials: captured in a CUDA graph, replays of
     ``mla_decode`` on new inputs equal eager calls bit for bit, and so does a combine whose
     partials a plain PyTorch kernel wrote just before it."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     case = make_case(
         90 + page_size, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),

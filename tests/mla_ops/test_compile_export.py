@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_ops
+from mla_compile import mla_ops
 from tests.conftest import HAS_CUDA
 from tests.mla_ops.cases import make_case
 

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import mla_ops
-from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds, split_len
+from mla_compile import mla_ops
+from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds, split_len
 from tests.conftest import HAS_CUDA, requires_cuda
 from tests.mla_ops.cases import assert_matches, make_case, poison_hidden_keys
 
@@ -166,7 +166,7 @@ def test_longest_first_order(seed: int) -> None:
     """The wgmma kernel's longest-first order (``planner.longest_first_order``): every (sequence,
     split) once; full chunks first, sequence by sequence; then partial chunks by tiles, most
     first; then the empty ones. Equal lengths keep the split-major order."""
-    from mla_ops.planner import longest_first_order
+    from mla_compile.mla_ops.planner import longest_first_order
 
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(2, 129, (1,), generator=gen))
@@ -270,7 +270,7 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
     ],
 )
 def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) -> None:
-    from mla_ops import planner
+    from mla_compile.mla_ops import planner
 
     monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
@@ -288,7 +288,7 @@ def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) ->
 )
 def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected) -> None:
     """The Gluon wgmma kernel keeps one program per multiprocessor: half the Triton kernel's."""
-    from mla_ops import planner
+    from mla_compile.mla_ops import planner
 
     monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
@@ -312,7 +312,7 @@ def test_planner_single_sequence(monkeypatch, rows, capacity, wgmma, expected) -
     """A batch of one sequence has no raggedness to leave headroom for: its wgmma programs of at
     most 32 rows take as many chunks as one wave cuts its capacity into (NOTES.md item 65), and
     every chunk of a full cache then has a program of its own."""
-    from mla_ops import planner
+    from mla_compile.mla_ops import planner
 
     monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
@@ -332,7 +332,7 @@ def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
     """A symbolic batch has no total to balance against: even splits for the assumed batch."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from mla_ops import planner
+    from mla_compile.mla_ops import planner
 
     monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
     batch = ShapeEnv().create_unbacked_symint()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_ops
+from mla_compile import mla_ops
 from tests.conftest import requires_cuda
 
 B, S, H, L, R = 2, 1, 4, 32, 16

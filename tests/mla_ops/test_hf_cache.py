@@ -6,7 +6,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs
+from mla_compile.mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs
 
 if not LATENT_ATTENTION:  # the latent path of older releases: tests/fx_passes/test_legacy_cache.py
     pytest.skip("unrewritten latent caching needs transformers >= 5.15", allow_module_level=True)

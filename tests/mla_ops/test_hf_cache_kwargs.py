@@ -13,8 +13,8 @@ import torch
 pytest.importorskip("transformers")
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DynamicCache
 
-from export.steps import DecodeStep, decode_inputs
-from mla_ops.hf_cache import cache_kwargs, output_cache, transformers_version
+from mla_compile.export.steps import DecodeStep, decode_inputs
+from mla_compile.mla_ops.hf_cache import cache_kwargs, output_cache, transformers_version
 
 
 class NewStyle(torch.nn.Module):

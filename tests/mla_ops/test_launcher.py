@@ -28,7 +28,7 @@ if triton_available():
 
 
 def _prepared(n: int):
-    from mla_ops.launcher import Data, PreparedLaunch
+    from mla_compile.mla_ops.launcher import Data, PreparedLaunch
 
     grid = (triton.cdiv(n, 16),)
     return PreparedLaunch(_scaled_copy, grid, [Data("x"), Data("y"), n, Data("factor")],
@@ -47,7 +47,7 @@ def test_prepared_launch_fills_each_calls_data() -> None:
 
 
 def test_prepared_launch_needs_every_parameter() -> None:
-    from mla_ops.launcher import Data, PreparedLaunch
+    from mla_compile.mla_ops.launcher import Data, PreparedLaunch
 
     if not isinstance(_scaled_copy, triton.runtime.jit.JITFunction):
         pytest.skip("the interpreter's kernels are dispatched by Triton, which names the argument")
@@ -114,7 +114,7 @@ def _redrawn(case, seed: int):
 
 
 def _signature(case):
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     return triton_kernels.call_signature(
         case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, case.causal,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_ops  # noqa: F401  (registers the ops)
+from mla_compile import mla_ops  # noqa: F401  (registers the ops)
 from tests.conftest import HAS_CUDA
 from tests.mla_ops.cases import make_case
 

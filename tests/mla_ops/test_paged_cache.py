@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_ops
-from mla_ops.paged_cache import PagedLatentCache
+from mla_compile import mla_ops
+from mla_compile.mla_ops.paged_cache import PagedLatentCache
 from tests.mla_ops.reference64 import mla_attention
 
 L, R, B = 32, 16, 3

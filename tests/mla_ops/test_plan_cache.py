@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from mla_ops import plan_cache
+from mla_compile.mla_ops import plan_cache
 
 
 @pytest.fixture
@@ -70,11 +70,11 @@ def test_the_package_modules_are_followed() -> None:
     """Patching a knob of the op's modules drops the kept plans (the op would otherwise keep the
     choices made before the patch)."""
     pytest.importorskip("triton")
-    from mla_ops import ops, planner, triton_kernels
+    from mla_compile.mla_ops import ops, planner, triton_kernels
 
     modules = [ops, planner, triton_kernels]
     try:
-        from mla_ops import wgmma_decode
+        from mla_compile.mla_ops import wgmma_decode
 
         modules.append(wgmma_decode)
     except ImportError:  # a Triton without Gluon's Hopper module: no wgmma_decode to follow

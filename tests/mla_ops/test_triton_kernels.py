@@ -117,7 +117,7 @@ def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
     where the rows still give every multiprocessor ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs: case
     (b)'s 4096 rows of 4 splits on 132 multiprocessors, not (e)'s 1024, not 64 splits, and never
     without a device count (NOTES.md item 50)."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     assert tk.combine_tiling(4, 512) == (4, 256)
     assert tk.combine_tiling(4, 512, rows=4096, multiprocessors=132) == (4, 512)
@@ -133,7 +133,7 @@ def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
 def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
     """``combine`` hands the tiling rule its row count and, on CUDA, the device's multiprocessor
     count (0 elsewhere, which keeps the base tiling), and records the tiling it ran."""
-    from mla_ops import planner
+    from mla_compile.mla_ops import planner
 
     seen = []
     rule = kernels.combine_tiling
@@ -211,7 +211,7 @@ def test_mask_per_program_query_position(kernels, block_m: int, kind: str) -> No
 @pytest.mark.parametrize("s_q", [1, 3, 8])
 def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None) -> None:
     """Kernel and PyTorch implementation return the same partials (same split geometry)."""
-    from mla_ops import reference
+    from mla_compile.mla_ops import reference
 
     case = make_case(
         7,
@@ -236,7 +236,7 @@ def test_balanced_partials_match_reference_impl(
     """Chunks of one batch-wide length (``total_splits``): same partials as the PyTorch
     implementation, empty splits (zeros, -inf) written too (outputs start as NaN), and the
     lengths summed in several blocks."""
-    from mla_ops import reference
+    from mla_compile.mla_ops import reference
 
     monkeypatch.setattr(path_kernels, "LENGTHS_PER_STEP", 4)  # 9 sequences: 3 blocks
     lengths = [0, 1000, s_q, 700, 0, 300, 1400, 64, 900]
@@ -273,7 +273,7 @@ def test_length_beyond_capacity_poisons_instead_of_reading_out_of_bounds(kernels
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_combine_kernel(kernels, num_splits: int) -> None:
-    from mla_ops import reference
+    from mla_compile.mla_ops import reference
 
     out_p = torch.randn(3, 4, num_splits, 40, device=DEVICE)
     lse_p = torch.randn(3, 4, num_splits, device=DEVICE) * 3
@@ -291,7 +291,7 @@ def test_combine_kernel(kernels, num_splits: int) -> None:
 def test_default_config_fits_shared_memory() -> None:
     """The tuned bf16 tilings stay as measured; fp32 and wide latents shrink until the bound
     fits (H100/H200: 232448 B); a width no tiling fits is refused by name."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     bf16_64 = tk.default_config(128, 512, 64, 2, 232448)
     assert bf16_64 == tk.DecodeConfig(64, 64, 8, 2, use_tma=False)  # TMA: 30-46 % slower, H100
@@ -323,12 +323,12 @@ def test_shared_memory_bound_holds(rows: int, kv_len: int, dtype: str) -> None:
     """``shared_memory_bytes`` bounds what the installed Triton gives the default tiling, compiled
     for sm_90 offline (no GPU): a 64-row tiling at L = 1024 that the old estimate took for
     208896 B asked the H200 for 262144 (NOTES.md item 76)."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     size = 4 if dtype == "fp32" else 2
     cfg = tk.default_config(rows, kv_len, 64, size, 232448)
     shared = offline_compile(
-        f"from mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
+        f"from mla_compile.mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
         f"print(oc.compile_decode(cfg, heads={rows}, s_q=1, page_size=64, dtype={dtype!r}, "
         f"kv_len={kv_len}, rope_len=64).metadata.shared)"
     )
@@ -341,12 +341,12 @@ def test_combine_launches_once_the_loop_is_done(rows: int, dtype: str) -> None:
     once, after its loop's last product (offline sm_90 PTX): at the program's entry the
     benchmark's calls that run the combine took 0.5-1.3 us longer on an H200 (NOTES.md item 85).
     An empty split returns before the loop, and its exit counts as the trigger."""
-    from mla_ops import triton_kernels as tk
+    from mla_compile.mla_ops import triton_kernels as tk
 
     size = 4 if dtype == "fp32" else 2
     cfg = tk.default_config(rows, 512, 64, size, 232448)
     res = offline_compile(
-        f"from mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
+        f"from mla_compile.mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
         f"ptx = oc.compile_decode(cfg, heads={rows}, s_q=1, page_size=64, dtype={dtype!r}, "
         "tma=cfg.use_tma is not False).asm['ptx']; r = {}; " + TRIGGER_AFTER_LOOP + "print(r)"
     )

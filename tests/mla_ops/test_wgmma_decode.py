@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not in
 
 def _gluon_available() -> bool:
     try:
-        from mla_ops import wgmma_decode  # noqa: F401
+        from mla_compile.mla_ops import wgmma_decode  # noqa: F401
     except ImportError:
         return False
     return True
@@ -33,7 +33,7 @@ def _gluon_available() -> bool:
 def _on_hopper() -> bool:
     if not HAS_CUDA:
         return False
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     return triton_kernels.has_wgmma(torch.device("cuda", 0))
 
@@ -330,7 +330,7 @@ def test_mask_hidden_threshold_matches_the_reference() -> None:
     """The wgmma kernel's ``MASK_HIDDEN`` is the reference's (the module keeps its own copy)."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_ops import reference, wgmma_decode
+    from mla_compile.mla_ops import reference, wgmma_decode
 
     assert wgmma_decode.MASK_HIDDEN.value == reference.MASK_HIDDEN
 
@@ -373,7 +373,7 @@ def test_float8_products_error_against_bf16_is_the_caches(
     2-token sequence, where P's rounding weighs more; with the query as one e4m3 term a8's error
     was a third larger; NOTES.md items 56-57). Odd heads, S_q = 2 (causal), splits, partial last
     tiles, stale rows (NaN)."""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     case = make_case(
         910 + seed, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64),
@@ -474,7 +474,7 @@ def test_producer_partition_matches_math_warps_copying(
     """16-row programs copy through a producer partition (one warp for TMA, a warpgroup for
     gathers): the partials, a bad page's NaN included, are bit-equal to those of the kernel whose
     math warps issue the copies themselves (``producer_warps=0``)."""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     kw = dict(
         page_size=page_size, dims=(512, 64), heads=16, s_q=1, lengths=[1000, 0, 300, 64, 130],
@@ -526,7 +526,7 @@ def test_64_row_programs_either_orientation(
     S_q > 1, a partial last row block (43 heads x 3), copy-engine and gathered tiles, several
     splits; a bad page id makes only its split's rows NaN. (Copy-engine tiles of a 16-bit cache
     otherwise take one-scorer programs: ``test_one_scorer_programs``.)"""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     monkeypatch.setattr(wgmma_decode, "default_one_scorer", lambda *args: False)
     monkeypatch.setattr(wgmma_decode, "default_rows_on_m", lambda *args: rows_on_m)
@@ -559,7 +559,7 @@ def test_one_scorer_programs(
     partial last row block (43 heads x 3), several splits, pages of two tiles; a bad page id makes
     only its split's rows NaN; the same bits on a second call. Also with the nope query in
     warpgroup 0's registers and a ring of three (``wgmma_decode.QUERY_IN_REGISTERS``)."""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
     case = make_case(
@@ -583,7 +583,7 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch, query_in_register
     """``mla::attention`` over one-scorer programs with the in-kernel merge: both output halves
     (warpgroup 1's through shared memory) reach the final rows and the merge's partials; also
     with the query in registers (every output part, the one-chunk rows staged in a ring slot)."""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
     monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
@@ -613,7 +613,7 @@ def test_phase_stamps_are_ordered_and_leave_the_output_alone(
     bit-equal to an unstamped launch's. A stamps buffer of the wrong shape is refused."""
     import functools
 
-    from mla_ops import planner, wgmma_decode
+    from mla_compile.mla_ops import planner, wgmma_decode
 
     case = make_case(
         5, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=heads,
@@ -663,7 +663,7 @@ def test_phase_stamps_are_ordered_and_leave_the_output_alone(
 
 def _launch_args(kernels, case) -> tuple:
     """``wgmma_decode.launch``'s positional arguments for ``case`` with the op's tiling."""
-    from mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+    from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 
     block_m, warps = kernels.wgmma_tiling(case.q.shape[1] * case.q.shape[2])
     b, s_q, h, _ = case.q.shape
@@ -712,7 +712,7 @@ def test_longest_first_matches_split_major(kernels, monkeypatch, kw: dict) -> No
     (``LAST_LAUNCH["wgmma_order"]``), and every partial, the empty splits' zeros and -inf
     included, is bit-equal to the split-major launch's (each chunk computed once, by whichever
     program); output and LSE match the float64 reference."""
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     case = _ragged_case(61, **kw)
     out_lf, lse_lf = kernels.decode(*case.op_args())
@@ -736,7 +736,7 @@ def test_longest_first_order_is_the_planners(kernels, monkeypatch, equal_lengths
     order would give the same counts, so this checks the bounds, not which of the two ran."""
     import functools
 
-    from mla_ops import planner, wgmma_decode
+    from mla_compile.mla_ops import planner, wgmma_decode
 
     case = _ragged_case(62, heads=16, s_q=1, page_size=64)
     if equal_lengths:
@@ -764,7 +764,7 @@ def test_longest_first_default() -> None:
     ``LONGEST_FIRST_MAX_SPLITS`` splits (the kernel packs a split in 7 bits), except in programs
     with the rows on M; ``launch`` refuses it where the kernel cannot rank."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_ops import triton_kernels, wgmma_decode
+    from mla_compile.mla_ops import triton_kernels, wgmma_decode
 
     step = triton_kernels.LENGTHS_PER_STEP
     most = wgmma_decode.LONGEST_FIRST_MAX_SPLITS.value
@@ -871,8 +871,8 @@ def test_attention_over_merge_max_splits_uses_the_combine(kernels) -> None:
 def test_merged_attention_in_a_cuda_graph_matches_eager() -> None:
     """``mla_decode`` with a merging plan captured in a CUDA graph (its arrival counters zeroed by
     the graph itself): replays on new inputs equal eager calls bit for bit."""
-    import mla_ops
-    from mla_ops import triton_kernels
+    from mla_compile import mla_ops
+    from mla_compile.mla_ops import triton_kernels
 
     case = make_case(
         64, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=128, s_q=1,
@@ -904,7 +904,7 @@ def test_rows_on_m_default() -> None:
     """The rows go on the MMA's M side exactly for 64-row programs of two warpgroups over a 16-bit
     cache (a float8 cache keeps the transposed loop and its single conversion per tile)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     assert wgmma_decode.default_rows_on_m(64, 8, float8=False)
     assert not wgmma_decode.default_rows_on_m(64, 8, float8=True)
@@ -917,7 +917,7 @@ def test_one_scorer_default() -> None:
     gathered tiles keep the rows-on-M loop, a float8 cache the transposed one, fewer rows their
     own tiling."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     assert wgmma_decode.default_one_scorer(64, float8=False, gather=False)
     assert not wgmma_decode.default_one_scorer(64, float8=False, gather=True)
@@ -985,7 +985,7 @@ def _meta_call(
     ],
 )
 def test_plan_path_says_why(monkeypatch, change, reason) -> None:
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
     q, kv_c, k_pe, table = _meta_call(**change)
@@ -1005,7 +1005,7 @@ def test_plan_path_says_why(monkeypatch, change, reason) -> None:
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 def test_plan_path_checks_shared_memory(monkeypatch) -> None:
     """64-row programs need about 226 KB: a GPU that allows less runs the Triton kernel."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
     monkeypatch.setattr(triton_kernels, "shared_memory_optin", lambda device: 200_000)
@@ -1018,7 +1018,7 @@ def test_plan_path_checks_shared_memory(monkeypatch) -> None:
 def test_loads_say_how_and_why(monkeypatch) -> None:
     """Pages of whole 64-token tiles go to the copy engine; other page sizes are gathered by
     cp.async when their rows are contiguous 16-byte units; otherwise neither, with the reasons."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
     table = torch.zeros(2, 4, dtype=torch.int32)
@@ -1040,7 +1040,7 @@ def test_float8_k_pe_takes_the_wgmma_kernel_at_width_64(monkeypatch) -> None:
     """A whole-float8 cache takes the wgmma kernel in whole 64-token pages (copy-engine tiles) and
     gathered row by row (page size 1) alike (NOTES.md item 62); at a RoPE width of 32 it does
     not, and ``wgmma_path`` says why."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
     monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
@@ -1055,7 +1055,7 @@ def test_float8_k_pe_takes_the_wgmma_kernel_at_width_64(monkeypatch) -> None:
 
 
 def test_no_wgmma_off_hopper() -> None:
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     assert not triton_kernels.has_wgmma(torch.device("cpu"))
 
@@ -1092,7 +1092,7 @@ def test_compiles_to_wgmma_for_sm90(
     release-acquire arrival, partials read past L1. One ``griddepcontrol.launch_dependents``,
     after the loop's last product (the combine launched at the programs' entries made the
     benchmark's calls that run it, (b)-(e), 0.5-1.2 us slower on an H200: NOTES.md item 84)."""
-    from mla_ops import triton_kernels, wgmma_decode
+    from mla_compile.mla_ops import triton_kernels, wgmma_decode
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     gather = page_size % 64 != 0
@@ -1156,7 +1156,7 @@ def test_masked_builds_compile(
     warpgroup 1 prepares at S_q = 1, reads a row per query position otherwise): wgmma, no
     mma.sync, at most a few spilled
     scalars, shared memory within an SM and within ``wgmma_shared_memory``'s bound."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     gather = page_size % 64 != 0
     res = offline_compile(
@@ -1232,7 +1232,7 @@ def test_float8_products_choice_and_its_checks() -> None:
     only; ``launch(float8_products=True)`` elsewhere is refused, naming what it expected."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     assert wgmma_decode.default_float8_products(16, 512, True, False)
     assert not wgmma_decode.default_float8_products(16, 512, False, False)  # 16-bit cache
@@ -1268,7 +1268,7 @@ def test_query_in_registers_choice_and_its_checks() -> None:
     expected; ``QUERY_IN_REGISTERS = False`` turns the choice off."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     choice = wgmma_decode.default_query_in_registers
     assert choice(True, 512, 64, False)
@@ -1303,7 +1303,7 @@ def test_float8_products_view_of_the_ring_slot() -> None:
     and column once."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_ops import wgmma_decode
+    from mla_compile.mla_ops import wgmma_decode
 
     bases = wgmma_decode._VT_OFFSET_BASES.value
     column_of = wgmma_decode._latent_column.fn
@@ -1352,7 +1352,7 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     Triton 3.6). Each warpgroup stores its float32 half from its accumulator, 8 bytes a store
     (item 48: no hand-over through shared memory, no 16-byte stores from one warpgroup); only
     final 16-bit rows, staged, go out 16 bytes a store."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     res = offline_compile(
         f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
@@ -1437,7 +1437,7 @@ def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: s
 def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
     """The phase stamps read ``%globaltimer`` only in a ``stamps`` build: the op's kernel has
     none, and the stamped one keeps its registers (no more than a few spilled scalars)."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     block_m, warps = triton_kernels.wgmma_tiling(rows)
     (plain, plain_spill), (stamped, stamped_spill) = offline_compile(
@@ -1450,7 +1450,7 @@ def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
 
 def test_merge_path_says_why() -> None:
     """Which ``mla::attention`` calls merge splits inside the wgmma kernel, and why not."""
-    from mla_ops import triton_kernels
+    from mla_compile.mla_ops import triton_kernels
 
     most = triton_kernels.MERGE_MAX_SPLITS
     assert triton_kernels.merge_path("tma", 1)[0] and triton_kernels.merge_path("gather", most)[0]
