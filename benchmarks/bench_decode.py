@@ -55,7 +55,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mla_compile import mla_ops
-from mla_compile.mla_ops.planner import SplitPlan, plan_splits
+from mla_compile.mla_ops import runtime, tiling
+from mla_compile.mla_ops.splits import SplitPlan, plan_splits
 
 L, R = 512, 64
 SCALE = 0.1352337788608801
@@ -447,10 +448,9 @@ def case_cost(case: Case, inp: Inputs) -> tuple[float, float]:
 def planned(case: Case, inp: Inputs) -> SplitPlan:
     """The planner's ``(num_splits, total_splits)`` for this case, for the kernel it will run
     (as ``mla_decode`` asks: the capacity is the block table's pages)."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
     kv_c, k_pe = inp.decode_cache()
-    wgmma = tk.wgmma_plan_path(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
+    wgmma = tiling.wgmma_support(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
     capacity = inp.block_table.shape[1] * kv_c.shape[1]
     return plan_splits(case.batch, case.heads * case.s_q, capacity, inp.q.device, wgmma)
 
@@ -462,187 +462,6 @@ def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> li
     first = Inputs(case, gen, with_contiguous)
     n = min(8, math.ceil(4 * l2_bytes / (first.kv_cache.numel() * 2)))
     return [first] + [Inputs(case, gen, with_contiguous) for _ in range(n - 1)]
-
-
-@dataclass
-class ExperimentCase:
-    """What an A/B experiment needs of one case: the rotated input copies, the float32
-    reference of the first, the roofline's floor (seconds) and the planner's plan."""
-
-    copies: list[Inputs]
-    ref: torch.Tensor
-    floor_s: float
-    plan: SplitPlan
-
-
-def experiment_case(name: str, ceil: dict) -> ExperimentCase:
-    """Case ``name``'s inputs (enough copies to rotate past this GPU's L2), reference, floor
-    under the measured ceilings ``ceil`` and plan, for an experiment's A/B runs."""
-    case = CASES[name]
-    copies = input_copies(case, torch.cuda.get_device_properties(0).L2_cache_size)
-    return ExperimentCase(
-        copies, reference(copies[0], case), floor_seconds(case, dict(ceil)),
-        planned(case, copies[0]),
-    )  # fmt: skip
-
-
-def wgmma_call(
-    inp: Inputs, num_splits: int, total_splits: int | None, with_combine: bool = True,
-    module=None, **launch_kw,
-):  # fmt: skip
-    """A closure launching the wgmma kernel directly (``module.launch``; default
-    ``mla_ops.wgmma_decode``, or a variant built from its source) on ``inp``, with the op's
-    tiling and ``fill_empty=False`` unless ``launch_kw`` (the variant under test) says otherwise;
-    it returns the combined output, or the partials ``(out, lse)`` without the combine. For the
-    experiments' A/B runs: the op itself would always take the shipped defaults."""
-    from mla_compile.mla_ops import triton_kernels as tk
-    from mla_compile.mla_ops import wgmma_decode as wd
-    from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
-
-    kv_c, k_pe = inp.decode_cache()
-    b, s_q, h, _ = inp.q.shape
-    block_m, warps = tk.wgmma_tiling(s_q * h)
-    float8 = kv_c.dtype == torch.float8_e4m3fn
-    gather = launch_kw.get("gather", kv_c.shape[1] % wd.BLOCK_N != 0)
-    one_scorer = launch_kw.get("one_scorer", wd.default_one_scorer(block_m, float8, gather))
-    smem = tk.shared_memory_optin(inp.q.device)
-    kw = dict(
-        block_m=block_m, num_warps=4 if one_scorer else warps, one_scorer=one_scorer,
-        num_stages=tk.wgmma_stages(block_m, kv_c.shape[-1], k_pe.shape[-1], float8, smem),
-        min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=tk.LENGTHS_PER_STEP,
-        gather=gather, fill_empty=False,
-    )  # fmt: skip
-    if inp.attn_mask is not None:  # a masked case (``am``, ``bm``) launches with its mask
-        kw["attn_mask"] = inp.attn_mask
-    kw.update(launch_kw)
-    launch = (module or wd).launch
-    out = torch.empty((b, s_q, h, num_splits, kv_c.shape[-1]), device=inp.q.device)
-    lse = torch.empty((b, s_q, h, num_splits), device=inp.q.device)
-
-    def fn():
-        launch(
-            inp.q, kv_c, k_pe, inp.cache_seqlens, inp.block_table, out, lse, SCALE,
-            inp.kv_scale, True, num_splits, total_splits, **kw,
-        )  # fmt: skip
-        if not with_combine:
-            return out, lse
-        return torch.ops.mla.combine(out, lse, inp.q.dtype)[0]
-
-    return fn
-
-
-def case_counts(text: str) -> dict[str, list[int]]:
-    """An experiment's ``case:n,case:n,...`` option as ``{case: [n, ...]}``."""
-    counts: dict[str, list[int]] = {}
-    for item in filter(None, text.split(",")):
-        name, n = item.split(":")
-        counts.setdefault(name, []).append(int(n))
-    return counts
-
-
-def time_call(fns, ref: torch.Tensor | None = None) -> tuple[float, float]:
-    """Seconds per call of ``fns`` (one closure per rotated input copy; graph replays, median)
-    and, with ``ref``, the first closure's output's error against it (else NaN)."""
-    err = rel_err(fns[0](), ref) if ref is not None else float("nan")
-    return time_rotating([graphed(f) for f in fns], warmup=10, rep=100), err
-
-
-def time_rounds(
-    row: dict, case_name: str, copies: list[Inputs], plan: SplitPlan, ref: torch.Tensor | None,
-    variants: dict[str, dict], rounds: int,
-) -> None:  # fmt: skip
-    """Time each variant (name -> ``wgmma_call`` keywords) on ``copies`` with ``plan``, in
-    ``rounds`` alternating rounds (so that a machine's drift hits all alike): appends the time
-    (us) to ``row[name]["us"]`` and records the first round's error against ``ref``."""
-    for r in range(rounds):
-        for name, launch_kw in variants.items():
-            fns = [wgmma_call(inp, *plan, **launch_kw) for inp in copies]
-            seconds, err = time_call(fns, ref)
-            entry = row.setdefault(name, dict(us=[], rel_err=err))
-            entry["us"].append(seconds * 1e6)
-            print(case_name, name, f"round {r}", f"{seconds * 1e6:.1f} us", f"err {err:.1e}",
-                  flush=True)  # fmt: skip
-            del fns
-
-
-def versions_line(ceil: dict) -> str:
-    """The GPU, torch and Triton versions and the measured ceilings, for an experiment's table."""
-    return (
-        f"{torch.cuda.get_device_name()}; torch {torch.__version__}, "
-        f"triton {triton.__version__}; {ceil}"
-    )
-
-
-def time_decode_rounds(calls: dict[str, tuple], rounds: int) -> list[dict]:
-    """Each variant's decode alone and with ``mla::combine`` (``name -> (decode, combined)``
-    closures), timed as graph replays in ``rounds`` rounds that repeat the variants in order:
-    rows of ``variant``, ``combine``, ``round`` and ``us``."""
-    rows = []
-    for rnd in range(rounds):
-        for name, pair in calls.items():
-            for combine, fn in zip((False, True), pair, strict=True):
-                t = time_rotating([graphed(fn)], warmup=10, rep=100)
-                rows.append(dict(variant=name, combine=combine, round=rnd, us=t * 1e6))
-                print(rows[-1], flush=True)
-    return rows
-
-
-def decode_round_text(rows: list[dict], name: str) -> tuple[str, str]:
-    """Variant ``name``'s times in ``time_decode_rounds``' rows: the decode alone's and with the
-    combine's, each as the rounds' us separated by spaces."""
-    return tuple(
-        " ".join(f"{r['us']:.1f}" for r in rows if r["variant"] == name and r["combine"] == c)
-        for c in (False, True)
-    )
-
-
-def load_kernel_source(path: str | Path, name: str):
-    """A ``wgmma_decode`` module built from another copy of its source at ``path`` (for A/B runs:
-    Triton keys its kernel cache on the source, so the copy compiles apart from the package's)."""
-    import importlib.util
-
-    from mla_compile import mla_ops
-
-    # Inside the package, so that the copy's relative imports (``.launcher``) resolve.
-    name = f"{mla_ops.__name__}.{name}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    # Registered first: the module follows itself for the plan caches (plan_cache.follow).
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def parse_sources(spec: str) -> tuple[dict[str, object], dict[str, dict[str, int]]]:
-    """An A/B run's ``--sources``, ``name=path[+key=int...],...``: each name's ``wgmma_decode``
-    module (``None`` for the path ``package``: the package's own) and its launch keywords (e.g.
-    ``+num_stages=3``). Raises ``ValueError`` naming the malformed item."""
-    modules: dict[str, object] = {}
-    launch_kw: dict[str, dict[str, int]] = {}
-    for item in spec.split(","):
-        name, _, rest = item.partition("=")
-        path, *extras = rest.split("+")
-        if not name or not path:
-            raise ValueError(f"--sources: expected name=path, got {item!r}")
-        pairs = [e.partition("=") for e in extras]
-        if any(not k or not v.lstrip("-").isdigit() for k, _, v in pairs):
-            raise ValueError(f"--sources: launch keywords are +key=int, got {item!r}")
-        modules[name] = (
-            None if path == "package" else load_kernel_source(path, f"wgmma_decode_{name}")
-        )
-        launch_kw[name] = {k: int(v) for k, _, v in pairs}
-    return modules, launch_kw
-
-
-def save_experiment(out: str | Path, name: str, ceil: dict, rows: list[dict], **extra) -> None:
-    """An experiment's rows as ``out/name.json``, with the device, versions and ceilings."""
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    report = dict(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-        ceilings=ceil, **extra, rows=rows,
-    )  # fmt: skip
-    (folder / f"{name}.json").write_text(json.dumps(report))
 
 
 def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, progress) -> list[Row]:
@@ -700,10 +519,9 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
     # decode kernel merges the splits itself (``merge``: no combine kernel, NOTES.md item 29),
     # the share is what writing the output and merging add to a decode writing float32
     # partials, and can be negative.
-    from mla_compile.mla_ops import triton_kernels as tk
 
     decode_out(first)
-    merge = tk.LAST_LAUNCH.get("merge", "")
+    merge = runtime.LAST_LAUNCH.get("merge", "")
 
     plan = planned(case, first)
     args = [i.op_args(*plan) for i in copies]
@@ -711,10 +529,11 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
         [graphed(lambda a=a: torch.ops.mla.decode(*a, fill_empty=False)) for a in args]
     )
     o_p, l_p = torch.ops.mla.decode(*first.op_args(*plan))
-    kernel = tk.LAST_LAUNCH["decode_path"]
-    loop = None  # the wgmma kernel's loop (wgmma_decode's module docstring)
+    kernel = runtime.LAST_LAUNCH["decode_path"]
+    loop = None  # the wgmma kernel's loop (docs/kernels.md)
     if kernel == "wgmma":
-        one_scorer, on_m = tk.LAST_LAUNCH["wgmma_one_scorer"], tk.LAST_LAUNCH["wgmma_rows_on_m"]
+        one_scorer = runtime.LAST_LAUNCH["wgmma_one_scorer"]
+        on_m = runtime.LAST_LAUNCH["wgmma_rows_on_m"]
         loop = "one-scorer" if one_scorer else "rows-on-M" if on_m else "transposed"
     t_alone = time_rotating([graphed(lambda: torch.ops.mla.combine(o_p, l_p, torch.bfloat16))])
     ours = rows[0]
@@ -762,7 +581,6 @@ SWEEP_CONFIGS = [
 
 def sweep(case: Case, l2_bytes: int) -> list[dict]:
     """Time the decode kernel + combine for every tiling and a few split counts (graph replays)."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
     gen = torch.Generator().manual_seed(0)
     first = Inputs(case, gen, with_contiguous=False)
@@ -777,18 +595,18 @@ def sweep(case: Case, l2_bytes: int) -> list[dict]:
             continue
         if (
             tma
-            and not tk.tma_path(
+            and not tiling.tma_support(
                 first.kv_cache[..., :L], first.kv_cache[..., L:], first.block_table, bn
             )[0]
         ):
             continue
-        cfg = tk.DecodeConfig(bm, bn, w, st, tma)
+        cfg = tiling.TritonTiling(bm, bn, w, st, tma)
         for splits in sorted({max(1, planner_splits // 2), planner_splits, planner_splits * 2}):
 
             def make(inp, cfg=cfg, splits=splits):
                 def fn():
-                    o, lse = tk.decode(*inp.op_args(splits), config=cfg)
-                    return tk.combine(o, lse, torch.bfloat16)[0]
+                    o, lse = runtime.decode(*inp.op_args(splits), config=cfg)
+                    return runtime.combine(o, lse, torch.bfloat16)[0]
 
                 return fn
 
@@ -961,21 +779,20 @@ PTX_MARKERS = {
 
 def diagnose(selected: list[Case], out: Path) -> None:
     """Registers, spills, shared memory and instruction mix of the compiled decode kernel."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
     print(f"{'case':<5}{'cfg':<18}{'regs':>5}{'spill':>6}{'smem':>8}  ptx instruction counts")
     for case in selected:
         inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
         rows_q = case.heads * case.s_q
-        default = tk.default_config(rows_q, L, float8_cache=case.fp8)
-        for cfg in (default, tk.DecodeConfig(default.block_m, 64, 8, 3, False)):
-            tk.decode(*inp.op_args(2), config=cfg)
-            k = tk.LAST_LAUNCH["decode"]
+        default = tiling.triton_tiling(rows_q, L, float8_cache=case.fp8)
+        for cfg in (default, tiling.TritonTiling(default.block_m, 64, 8, 3, False)):
+            runtime.decode(*inp.op_args(2), config=cfg)
+            k = runtime.LAST_LAUNCH["decode"]
             ptx = k.asm["ptx"]
             counts = {n: ptx.count(m) for n, m in PTX_MARKERS.items()}
             if cfg is default:
                 (out / f"decode_{case.name}.ptx").write_text(ptx)
-            path = tk.LAST_LAUNCH["decode_path"]
+            path = runtime.LAST_LAUNCH["decode_path"]
             c = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{path}"
             print(
                 f"{case.name:<5}{c:<18}{k.n_regs:>5}{k.n_spills:>6}{k.metadata.shared:>8}  "
@@ -1005,7 +822,7 @@ def split_sweep(case: Case, l2_bytes: int) -> list[dict]:
     balanced plans give every chunk of the batch one length, from ``total_splits`` chunks over
     the batch's tokens, with ``num_splits`` = headroom x the even count.
     """
-    from mla_compile.mla_ops.planner import MAX_SPLITS, split_bounds
+    from mla_compile.mla_ops.splits import MAX_SPLITS, split_bounds
 
     gen = torch.Generator().manual_seed(0)
     first = Inputs(case, gen, with_contiguous=False)

@@ -28,8 +28,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mla_compile.mla_ops import tiling
 from mla_compile.mla_ops import triton_kernels as tk
-from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+from mla_compile.mla_ops.reference import MASK_HIDDEN
+from mla_compile.mla_ops.splits import MIN_CHUNK, SPLIT_GRANULE
 
 POINTERS = ("Q", "KV_C", "K_PE", "SEQLENS", "BLOCK_TABLE", "O_PART", "LSE_PART")
 UNIT_STRIDES = ("stride_qd", "stride_cd", "stride_pd", "stride_od", "stride_btp", "stride_lk")
@@ -37,7 +39,7 @@ FLOATS = ("scale_log2", "nope_scale", "pe_scale")
 
 
 def compile_decode(
-    cfg: tk.DecodeConfig, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
+    cfg: tiling.TritonTiling, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
     ptx_convert: bool = False, tma: bool = False, mask: str | None = None,
     balanced: bool = False, one_position: bool = True,
@@ -58,7 +60,7 @@ def compile_decode(
         GRANULE=SPLIT_GRANULE, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_L=kv_len,
         BLOCK_R=rope_len, PAGED=True, CAUSAL=True, HAS_PE=rope_len > 0,
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None, LAUNCH_DEPENDENTS=True,
-        MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=tk.MASK_HIDDEN,
+        MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128, FILL_EMPTY=False,
         ONE_POSITION=one_position,
     )  # fmt: skip
@@ -101,7 +103,7 @@ def compile_wgmma(
     rows: int = 16, stages: int = 2, dtype: str = "bf16", kv_len: int = 512, rope_len: int = 64,
     causal: bool = True, balanced: bool = False, warps: int = 4, kv_dtype: str | None = None,
     page_size: int = 64, gather: bool = False, producer_warps: int | None = None,
-    rows_on_m: bool | None = None, merge: bool = False, stamps: bool = False,
+    rows_on_m: bool | None = None, merge: bool = False,
     longest_first: bool = False, one_scorer: bool = False, float8_products: bool | None = None,
     pe_dtype: str | None = None, mask: str | None = None, s_q: int = 1,
     query_in_registers: bool = False, pv_regs: int | None = None,
@@ -117,34 +119,39 @@ def compile_wgmma(
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_compile.mla_ops import wgmma_decode as wd
+    from mla_compile.mla_ops import hopper as wd
+    from mla_compile.mla_ops.hopper import host as hopper_host
 
     kernel = wd._mla_decode_wgmma_kernel
     if one_scorer:
         rows_on_m, producer_warps = False, 0
     if rows_on_m is None:
-        rows_on_m = wd.default_rows_on_m(rows, warps, kv_dtype == "fp8e4nv")
+        rows_on_m = tiling.default_rows_on_m(rows, warps, kv_dtype == "fp8e4nv")
     params = list(inspect.signature(kernel.fn).parameters)
     gl_dtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     const = dict(
         S_Q=s_q, H=rows // s_q, L=kv_len, R=rope_len, PAGE_SIZE=page_size, MIN_CHUNK=MIN_CHUNK,
         GRANULE=SPLIT_GRANULE, BLOCK_M=rows, BLOCK_N=wd.BLOCK_N, NUM_STAGES=stages,
-        CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tk.LENGTHS_PER_STEP,
+        CAUSAL=causal, HAS_PE=rope_len > 0, BALANCED=balanced, BLOCK_B=tiling.LENGTHS_PER_STEP,
         KV_FP8=kv_dtype == "fp8e4nv", CHUNK=min(kv_len, wd.GATHER_CHUNK), GATHER=gather,
         FLOAT8_PRODUCTS=(
-            wd.default_float8_products(rows, kv_len, kv_dtype == "fp8e4nv", gather)
+            tiling.default_float8_products(rows, kv_len, kv_dtype == "fp8e4nv", gather)
             if float8_products is None else float8_products
         ),
         PE_FP8=pe_dtype == "fp8e4nv",
         FILL_EMPTY=False,
         PRODUCER_WARPS=(
-            wd.default_producer_warps(warps, gather) if producer_warps is None else producer_warps
+            tiling.default_producer_warps(warps, gather)
+            if producer_warps is None
+            else producer_warps
         ),
-        PRODUCER_REGS=wd.PRODUCER_REGS[gather],
-        ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=wd.ASSIST_REGS, MERGE=merge,
-        MERGE_SPLITS=4 if merge else 1, STAMPS=stamps, LONGEST_FIRST=longest_first,
+        PRODUCER_REGS=hopper_host.PRODUCER_REGS[gather],
+        ROWS_ON_M=rows_on_m, ONE_SCORER=one_scorer, ASSIST_REGS=hopper_host.ASSIST_REGS,
+        MERGE=merge,
+        MERGE_SPLITS=4 if merge else 1, LONGEST_FIRST=longest_first,
         HAS_MASK=mask is not None, MASK_IS_BOOL=mask == "bool",
-        QUERY_IN_REGISTERS=query_in_registers, PV_REGS=pv_regs or wd.PV_REGS, num_warps=warps,
+        QUERY_IN_REGISTERS=query_in_registers, PV_REGS=pv_regs or hopper_host.PV_REGS,
+        num_warps=warps,
         stride_qd=1, stride_btp=1, stride_od=1, stride_lk=1, stride_fd=1,
     )  # fmt: skip
     if gather:
@@ -163,7 +170,6 @@ def compile_wgmma(
             "OUT",
             "LSE_OUT",
             "ARRIVALS",
-            "STAMP_BUF",
             "MASK",
         ) or (
             # A mask's strides follow its length (any T_m): no divisibility is assumed for them.
@@ -188,8 +194,6 @@ def compile_wgmma(
             signature[name] = "*i32"
         elif name == "MASK":  # the launch passes ARRIVALS when there is no mask
             signature[name] = {None: "*i32", "bool": "*u8"}.get(mask, f"*{mask}")
-        elif name == "STAMP_BUF":
-            signature[name] = "*i64"
         elif name in ("O_PART", "LSE_PART", "LSE_OUT"):
             signature[name] = "*fp32"
         else:
@@ -212,13 +216,13 @@ def conversion_bank_conflicts(num_warps: int, kv_len: int) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from mla_compile.mla_ops import wgmma_decode as wd
+    from mla_compile.mla_ops.hopper import layouts as hopper_layouts
 
     @gluon.jit
     def ask(X, W: gl.constexpr, L: gl.constexpr):
         # The whole width in the conversion's pattern: each chunk of it is that pattern's part.
-        conv: gl.constexpr = wd._conversion_layout(W, L)
-        io: gl.constexpr = wd._copy_layouts(W, False)[0]
+        conv: gl.constexpr = hopper_layouts._conversion_layout(W, L)
+        io: gl.constexpr = hopper_layouts._copy_layouts(W, False)[0]
         fp8: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, L], gl.float8e4nv)
         fp16: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, L], gl.float16)
         fp8_ty: gl.constexpr = gl.shared_memory_descriptor_type(
@@ -315,7 +319,6 @@ def main() -> None:
     p.add_argument(
         "--merge", action="store_true", help="wgmma: final output and in-kernel split merge"
     )
-    p.add_argument("--stamps", action="store_true", help="wgmma: with the phase stamps")
     p.add_argument(
         "--one-scorer", action="store_true",
         help="wgmma: 64 rows, warpgroup 0 scores whole tiles (launch(one_scorer=True); 4 warps)",
@@ -330,14 +333,14 @@ def main() -> None:
             kv_dtype=args.kv_dtype, page_size=args.page_size, gather=args.page_size % 64 != 0,
             producer_warps=args.producer_warps,
             rows_on_m=None if args.rows_on_m is None else bool(args.rows_on_m), merge=args.merge,
-            stamps=args.stamps, one_scorer=args.one_scorer,
+            one_scorer=args.one_scorer,
         )  # fmt: skip
         print(
             f"triton {triton.__version__}, target sm_90, wgmma kernel {rows} rows {warps} warps "
             f"kv {args.kv_dtype or args.dtype} page size {args.page_size} producer warps "
             f"{args.producer_warps if args.producer_warps is not None else 'default'} rows on M "
             f"{args.rows_on_m if args.rows_on_m is not None else 'default'} merge {args.merge} "
-            f"stamps {args.stamps} one scorer {args.one_scorer}: "
+            f"one scorer {args.one_scorer}: "
             f"{resources(compiled)}"
         )
         if args.dump:
@@ -349,8 +352,8 @@ def main() -> None:
     rows = [args.rows] if args.rows else [16, 64]
     print(f"triton {triton.__version__}, target sm_90")
     for block_m in rows:
-        cfg = tk.default_config(heads_for.get(block_m, block_m), 512)
-        cfg = tk.DecodeConfig(
+        cfg = tiling.triton_tiling(heads_for.get(block_m, block_m), 512)
+        cfg = tiling.TritonTiling(
             block_m,
             args.block_n or cfg.block_n,
             args.warps or cfg.num_warps,

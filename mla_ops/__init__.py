@@ -17,14 +17,18 @@ from .ops import (
     quantize_kv_fp8,
     split_kv_cache,
 )
-from .planner import SplitPlan, plan_splits
+from .planner import DecodeOptions, DecodePlan, plan_decode
+from .splits import SplitPlan, plan_splits
 
 __all__ = [
     "FP8_CACHE_DTYPE",
     "SUPPORTED_DTYPES",
+    "DecodeOptions",
+    "DecodePlan",
     "SplitPlan",
     "mla_combine",
     "mla_decode",
+    "plan_decode",
     "plan_splits",
     "quantize_kv_fp8",
     "split_kv_cache",

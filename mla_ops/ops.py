@@ -17,12 +17,13 @@ Two ops in namespace ``mla``:
   e.g. a prefix and a suffix).
 * ``mla::attention(<mla::decode's arguments but fill_empty>) -> (out [B, S_q, H, L] in q's dtype,
   lse [B, S_q, H])``: ``mla::decode`` then ``mla::combine``, as one op (what ``mla_decode``
-  calls). Same values, but on CUDA the wgmma kernel writes the output itself when a call has at
-  most ``triton_kernels.MERGE_MAX_SPLITS`` splits: a sequence in one chunk directly, a sequence
-  in several by the program that finishes last, with no combine kernel and no float32 partials
-  for single-chunk sequences (``triton_kernels.merge_path`` says when; ``LAST_LAUNCH["merge"]``).
+  calls). Same values, but on CUDA the Hopper kernel writes the output itself when a call has
+  few splits: a sequence in one chunk directly, a sequence in several by the program that
+  finishes last, with no combine kernel (``planner.plan_decode`` decides; its plan's
+  ``merge_in_kernel`` and ``reasons`` say so).
 
-CUDA runs Triton kernels; every other device runs the PyTorch implementation in ``reference.py``.
+CUDA runs the kernels that ``planner.plan_decode`` chooses (``runtime`` launches them); every
+other device, and float64, runs the PyTorch implementation in ``reference.py``.
 The fake functions let ``torch.compile(fullgraph=True)`` and ``torch.export`` treat each op as
 one node with symbolic batch and cache length.
 
@@ -42,8 +43,8 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .plan_cache import PlanCache, follow
-from .planner import SplitPlan, log, plan_splits
+from .plan_cache import PlanCache
+from .splits import SplitPlan, log, plan_splits
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # A latent cache may also be stored in float8 e4m3 with one dequantisation scale (kv_scale).
@@ -271,9 +272,9 @@ def _decode_cuda(
         # is a testing dtype, so it runs the PyTorch implementation on the GPU instead.
         log.debug("mla::decode: float64 on CUDA runs the PyTorch implementation")
         return reference.decode(*args)
-    from . import triton_kernels
+    from . import runtime
 
-    return triton_kernels.decode(*args, fill_empty=fill_empty)
+    return runtime.decode(*args, fill_empty=fill_empty)
 
 
 @decode.register_fake
@@ -338,9 +339,9 @@ def _combine_cuda(
     out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     check_combine_args(out_partial, lse_partial)
-    from . import triton_kernels
+    from . import runtime
 
-    return triton_kernels.combine(out_partial, lse_partial, out_dtype)
+    return runtime.combine(out_partial, lse_partial, out_dtype)
 
 
 @combine.register_fake
@@ -400,9 +401,9 @@ def _attention_cuda(
     _check_decode(*args)
     if q.dtype == torch.float64:  # as mla::decode: the PyTorch implementation
         return reference.combine(*reference.decode(*args), q.dtype)
-    from . import triton_kernels
+    from . import runtime
 
-    return triton_kernels.attention(*args)
+    return runtime.attention(*args)
 
 
 @attention.register_fake
@@ -585,9 +586,9 @@ def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, to
 
 def _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask) -> bool:
     """Whether the CUDA decode will run the Gluon wgmma kernel (shapes and dtypes only)."""
-    from . import triton_kernels
+    from .tiling import wgmma_support
 
-    return triton_kernels.wgmma_plan_path(q, kv_c, k_pe, block_table, attn_mask)[0]
+    return wgmma_support(q, kv_c, k_pe, block_table, attn_mask)[0]
 
 
 # The planner's split plans by call signature, for eager calls (traced calls plan at trace time).
@@ -723,6 +724,3 @@ def mla_combine(
         ``out [..., L]`` and ``lse [...]``; rows whose states are all empty give zeros and ``-inf``.
     """
     return torch.ops.mla.combine(out_partial, lse_partial, out_dtype)
-
-
-follow(__name__)

@@ -1,76 +1,68 @@
-"""Caches of host-side choices per call signature, dropped whenever a module they follow changes.
+"""A bounded, thread-safe cache of plans and prepared launches per call signature.
 
-An eager decode call makes the same choices for every call of the same shapes, strides and dtypes
-(the split plan, the kernel, its tiling and its arguments), and making them took a large part of
-its host time. ``PlanCache`` keeps them per signature. The choices read module-level functions
-and knobs that tests and experiments replace (``monkeypatch.setattr(triton_kernels,
-"has_wgmma", ...)``, ``triton_kernels.MERGE_MAX_SPLITS = 0``), so every lookup first checks that
-no module the caches ``follow`` has had a global rebound, added or removed since the last
-lookup (one comparison of each module's values: 1.4 us for this package's four, timed on a
-development CPU, not on the GPU machines), and clears every cache if one has: a patched choice is
-never read from a plan made before the patch.
+An eager decode call makes the same decisions for every call of the same shapes, strides, dtypes
+and options, and making them (and preparing the kernels' launches) took a large part of its host
+time. ``PlanCache`` keeps them per key, least recently used out first. Every decision's inputs
+are in the key (``runtime.call_signature`` and the ``DecodeOptions``), so a kept entry is never
+stale; device facts that tests emulate are cleared with ``clear_plans``.
 """
 
 from __future__ import annotations
 
-import sys
+import threading
+from collections import OrderedDict
 from typing import Any
 
 _CACHES: list[PlanCache] = []
-# Each followed module's globals and the values they held at the last lookup.
-_FOLLOWED: list[tuple[dict[str, Any], list[Any]]] = []
-
-
-def follow(module_name: str) -> None:
-    """Clear every plan whenever a global of module ``module_name`` is rebound, added or removed."""
-    namespace = sys.modules[module_name].__dict__
-    _FOLLOWED.append((namespace, list(namespace.values())))
-
-
-def _followed_unchanged() -> bool:
-    """Whether no followed module changed since the last call (which takes the new values)."""
-    unchanged = True
-    for i, (namespace, seen) in enumerate(_FOLLOWED):
-        values = list(namespace.values())
-        try:
-            same = values == seen  # identical objects compare equal without __eq__
-        except Exception:  # an __eq__ that cannot answer (a tensor rebound to another)
-            same = False
-        if not same:
-            _FOLLOWED[i] = (namespace, values)
-            unchanged = False
-    return unchanged
 
 
 def clear_plans() -> None:
-    """Drop every kept plan (the next call of each signature chooses again)."""
+    """Drop every kept plan (the next call of each signature plans again)."""
     for cache in _CACHES:
         cache.clear()
 
 
-class PlanCache(dict):
-    """A dict of plans by signature, at most ``capacity`` of them (the least recently used goes
-    first), cleared with every other ``PlanCache`` by ``clear_plans`` and when a followed module
-    changes."""
+class PlanCache:
+    """At most ``capacity`` entries by key; lookups and insertions are atomic under one lock, so
+    concurrent callers (threads serving requests) never see a half-updated cache."""
 
     def __init__(self, capacity: int = 256) -> None:
-        super().__init__()
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self._entries: OrderedDict[Any, Any] = OrderedDict()
+        self._lock = threading.Lock()
         _CACHES.append(self)
 
-    def lookup(self, key: Any) -> Any:
-        """The plan kept under ``key``, or None (also after a followed module changed)."""
-        if not _followed_unchanged():
-            clear_plans()
-            return None
-        plan = self.pop(key, None)
-        if plan is not None:
-            self[key] = plan  # now the most recently used
-        return plan
+    def __len__(self) -> int:
+        return len(self._entries)
 
-    def put(self, key: Any, plan: Any) -> Any:
-        """Keep ``plan`` under ``key``; returns it."""
-        if len(self) >= self.capacity:
-            del self[next(iter(self))]
-        self[key] = plan
-        return plan
+    def __contains__(self, key: Any) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def lookup(self, key: Any) -> Any:
+        """The entry kept under ``key`` (now the most recently used), or None."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def put(self, key: Any, entry: Any) -> Any:
+        """Keep ``entry`` under ``key`` (evicting the least recently used past ``capacity``) and
+        return the entry now kept: one another thread put first wins, so callers share it."""
+        with self._lock:
+            kept = self._entries.get(key)
+            if kept is not None:
+                self._entries.move_to_end(key)
+                return kept
+            self._entries[key] = entry
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+            return entry
+
+    def clear(self) -> None:
+        """Drop every entry."""
+        with self._lock:
+            self._entries.clear()

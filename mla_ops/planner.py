@@ -1,223 +1,370 @@
-"""Split-KV planning: how a sequence's cache is cut into chunks, and how many chunks to ask for.
+"""The planner: every decision of an ``mla::decode`` / ``mla::attention`` call, made once.
 
-Two separate decisions live here, and both the Triton kernel and the PyTorch reference use them so
-that ``mla::decode`` returns the same partials on every device:
+``plan_decode`` reads shapes, strides, dtypes and device facts (never tensor values, so it needs
+no host synchronisation) and returns a frozen ``DecodePlan``: which kernel, its tiling and main
+loop, how tiles are loaded, the split plan, the order programs take chunks in, whether the
+splits are merged in the kernel or by ``mla::combine`` and with which tiling, each with the reason
+it was chosen (``DecodePlan.reasons``). Launching a plan (``runtime``) decides nothing.
 
-* ``split_bounds``: given the batch's lengths, ``num_splits`` and optionally ``total_splits``, the
-  token range of each split. Chunks are at least ``MIN_CHUNK`` tokens and a multiple of
-  ``SPLIT_GRANULE``, so a short sequence uses fewer splits than requested; the rest are empty
-  (``lse = -inf``, ``o = 0``). Without ``total_splits`` each sequence is cut into ``num_splits``
-  even chunks of its own length. With it, every sequence is cut into chunks of the same length,
-  about ``sum(lengths) / total_splits`` (and never so short that a sequence needs more than
-  ``num_splits``): a ragged batch then gives every program about the same work, where even
-  per-sequence splits make the longest sequence's chunks the whole wave's time. Decided on the
-  device, from ``cache_seqlens``, without a host sync.
-* ``plan_splits``: the host-side choice of ``num_splits`` and ``total_splits`` from static
-  quantities only (batch, query rows per sequence, cache capacity, multiprocessor count), never
-  from the lengths' values, so it needs no host synchronisation and does not change with the
-  cache length under compile.
+Choices reach the planner only as arguments: ``DecodeOptions`` holds every override a test, a
+benchmark or a user may want (the defaults are what ``mla_decode`` runs). The plan's ``record``
+is what the runtime reports of a launch (``runtime.LAST_LAUNCH``), available before it.
+
+    plan = plan_decode(q, kv_c, k_pe, block_table, None, causal=True, num_splits=4,
+                       total_splits=None)
+    print(plan.describe())
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import NamedTuple
+import os
+from dataclasses import dataclass, field
 
 import torch
 
-log = logging.getLogger("mla_ops")
-
-# Chunks are cut at this granularity (tokens): a multiple of every KV tile size the kernel uses.
-SPLIT_GRANULE = 64
-# No split is shorter than this (tokens): below it the combine costs more than the parallelism buys.
-MIN_CHUNK = 256
-# Upper bound on splits per sequence of a batch; the combine reads this many partials per row at
-# most.
-MAX_SPLITS = 64
-# The same for a batch of one sequence in wgmma programs of at most 32 rows, which has no
-# raggedness to leave room for: the chunks of one wave, up to the wgmma kernel's longest-first
-# packing limit (``LONGEST_FIRST_MAX_SPLITS``). With 64, 16 heads x S_q 2 over 32k tokens ran 57
-# programs on an H100's 132 multiprocessors; 103 took 17 % less time (16 heads x S_q 1: level).
-# 64-row programs keep ``MAX_SPLITS``: twice their 128 KB of partials per program measured 2 %
-# slower (NOTES.md item 65).
-SINGLE_SEQUENCE_MAX_SPLITS = 128
-# Query rows (heads x S_q) one program handles; more rows are spread over several programs.
-MAX_ROWS_PER_PROGRAM = 64
-
-# A planned batch may cut one sequence into this many times its even share of chunks: the room a
-# ragged batch's long sequences need to be cut into chunks as short as everyone else's.
-RAGGED_HEADROOM = 2
-
-# Batch size assumed when the batch is symbolic (torch.export with a dynamic batch): planning from
-# a symbolic value would specialise the program. Pass ``num_splits`` to choose explicitly.
-SYMBOLIC_BATCH_ASSUMPTION = 8
+from . import device
+from .splits import MIN_CHUNK, SPLIT_GRANULE, log
+from .tiling import (
+    LENGTHS_PER_STEP,
+    MERGE_MAX_SPLITS,
+    WGMMA_BLOCK_N,
+    TritonTiling,
+    combine_tiling,
+    default_float8_products,
+    default_longest_first,
+    default_one_scorer,
+    default_producer_warps,
+    default_query_in_registers,
+    default_rows_on_m,
+    merge_path,
+    tma_support,
+    triton_tiling,
+    wgmma_path,
+    wgmma_stages,
+    wgmma_tiling,
+)
 
 
-def _round_up_to_granule(tokens: torch.Tensor | int) -> torch.Tensor | int:
-    return (tokens + SPLIT_GRANULE - 1) // SPLIT_GRANULE * SPLIT_GRANULE
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Overrides of the planner's choices; ``None`` (and every default) is the planner's own.
 
-
-def split_len(
-    seqlen: torch.Tensor, num_splits: int, total_splits: int | None = None
-) -> torch.Tensor:
-    """Tokens per split for each sequence (int tensor, same shape as ``seqlen``).
-
-    seqlen: ``[B]`` lengths of the whole batch (``total_splits`` reads their sum).
+    use_wgmma: ``False`` runs the Triton kernel; ``True`` requires the Hopper kernel (an error
+        saying why if it cannot run); ``None`` takes it wherever it can run.
+    triton_tiling: the Triton kernel's tiling (default: ``tiling.triton_tiling``).
+    merge_max_splits: the most splits per sequence that the Hopper kernel merges itself (no
+        ``mla::combine`` launch); 0 always launches the combine.
+    query_in_registers: allow the one-scorer loop with the query in registers.
+    one_scorer, rows_on_m, producer_warps, float8_products, longest_first: the Hopper kernel's
+        main loop, producer partition, float8 products and chunk order.
+    combine_tiling: the combine kernel's ``(BLOCK_S, BLOCK_L)``.
+    lengths_per_step: sequence lengths one program sums per step for a balanced split.
     """
-    per_split = _round_up_to_granule((seqlen + num_splits - 1) // num_splits)
-    if total_splits is not None:
-        balanced = _round_up_to_granule((seqlen.sum() + total_splits - 1) // total_splits)
-        per_split = torch.maximum(per_split, balanced.to(per_split.dtype))
-    return per_split.clamp_min(MIN_CHUNK)
+
+    use_wgmma: bool | None = None
+    triton_tiling: TritonTiling | None = None
+    merge_max_splits: int = MERGE_MAX_SPLITS
+    query_in_registers: bool = True
+    one_scorer: bool | None = None
+    rows_on_m: bool | None = None
+    producer_warps: int | None = None
+    float8_products: bool | None = None
+    longest_first: bool | None = None
+    combine_tiling: tuple[int, int] | None = None
+    lengths_per_step: int = LENGTHS_PER_STEP
 
 
-def split_bounds(
-    seqlen: torch.Tensor, num_splits: int, total_splits: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(start, end)`` of every split: two ``[B, num_splits]`` tensors, ``end <= seqlen``."""
-    chunk = split_len(seqlen, num_splits, total_splits).unsqueeze(-1)
-    split_id = torch.arange(num_splits, device=seqlen.device, dtype=seqlen.dtype)
-    start = split_id * chunk
-    end = torch.minimum(start + chunk, seqlen.unsqueeze(-1))
-    return start, end
+DEFAULT_OPTIONS = DecodeOptions()
 
 
-def longest_first_order(
-    seqlen: torch.Tensor, num_splits: int, total_splits: int, chunk_tokens: int = SPLIT_GRANULE
-) -> torch.Tensor:
-    """The chunk each decode program takes in the wgmma kernel's longest-first order
-    (``wgmma_decode.default_longest_first``): ``[B * num_splits, 2]`` of ``(sequence, split)``,
-    by program (row blocks aside). ``seqlen``: ``[B]`` lengths; chunks as ``split_bounds`` cuts
-    them, measured in ``chunk_tokens``-token tiles.
+@dataclass(frozen=True)
+class WgmmaPlan:
+    """The Hopper kernel's configuration for one call signature (``hopper.prepare``'s arguments).
 
-    Equal lengths keep the split-major order (every sequence's first chunk, then every second
-    one, ...), which is already longest first. Otherwise: every full chunk, sequence by sequence;
-    then the partial last chunks, most tiles first (ties in sequence order); then the empty ones.
-    Blocks are dispatched about in program order, so long chunks start in the first wave and the
-    programs that start late are the short ones (longest processing time first).
-    """
-    batch = seqlen.numel()
-    seqlen = seqlen.long().cpu()
-    seq = torch.arange(batch).repeat(num_splits)
-    split = torch.arange(num_splits).repeat_interleave(batch)
-    split_major = torch.stack([seq, split], 1)
-    if batch == 0 or bool((seqlen == seqlen[0]).all()):
-        return split_major
-    start, end = split_bounds(seqlen, num_splits, total_splits)
-    tokens = (end - start).clamp_min(0)  # [B, splits]
-    tiles = (tokens + chunk_tokens - 1) // chunk_tokens
-    full = tokens == split_len(seqlen, num_splits, total_splits).unsqueeze(1)
-    partial = ~full & (tokens > 0)
-    parts = sorted(partial.nonzero().tolist(), key=lambda bs: (-int(tiles[bs[0], bs[1]]), bs[0]))
-    # nonzero() walks [B, splits] sequence by sequence.
-    order = full.nonzero().tolist() + parts + (~full & ~partial).nonzero().tolist()
-    return torch.tensor(order, dtype=torch.long).view(-1, 2)
+    loads: ``"tma"`` (the copy engine, pages of whole 64-token tiles) or ``"gather"``
+    (``cp.async`` row by row, any page size). loop: ``"one-scorer"``, ``"rows-on-m"`` or
+    ``"transposed"`` (see ``docs/kernels.md``)."""
 
+    loads: str
+    block_m: int
+    num_warps: int
+    num_stages: int
+    producer_warps: int
+    loop: str
+    query_in_registers: bool
+    float8_products: bool
+    longest_first: bool
+    lengths_per_step: int
 
-def multiprocessor_count(device: torch.device) -> int:
-    """Streaming multiprocessors of CUDA ``device`` (no index: the current device)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    # torch caches device properties; no functools.cache here, which dynamo would warn about.
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    def prepare_kwargs(self) -> dict[str, object]:
+        """``hopper.prepare``'s keyword arguments for this configuration."""
+        return dict(
+            block_m=self.block_m, num_warps=self.num_warps, num_stages=self.num_stages,
+            min_chunk=MIN_CHUNK, granule=SPLIT_GRANULE, lengths_per_step=self.lengths_per_step,
+            gather=self.loads == "gather", producer_warps=self.producer_warps,
+            rows_on_m=self.loop == "rows-on-m", one_scorer=self.loop == "one-scorer",
+            longest_first=self.longest_first, float8_products=self.float8_products,
+            query_in_registers=self.query_in_registers,
+        )  # fmt: skip
 
 
-def rows_per_program(query_rows: int) -> int:
-    """Query rows (heads x S_q) one decode program handles: a power of two in [16, 64]."""
-    return max(16, min(MAX_ROWS_PER_PROGRAM, 1 << max(0, (query_rows - 1).bit_length())))
+@dataclass(frozen=True)
+class TritonPlan:
+    """The Triton kernel's configuration: its tiling, TMA loads or per-token loads, and a float8
+    cache's products in fp16 (``kv_f16``, converted by inline PTX where ``ptx_convert``)."""
+
+    tiling: TritonTiling
+    use_tma: bool
+    kv_f16: bool
+    ptx_convert: bool
+    lengths_per_step: int = LENGTHS_PER_STEP
 
 
-def programs_per_sm(query_rows: int, wgmma: bool = False) -> int:
-    """Decode programs resident on one multiprocessor at once with the default tiling (L=512).
+@dataclass(frozen=True)
+class DecodePlan:
+    """Every decision of one call signature. ``kernel``: ``"wgmma"`` (the Hopper kernel),
+    ``"triton"`` or ``"reference"`` (PyTorch: off CUDA, and float64). ``merge_in_kernel``: the
+    Hopper kernel writes the output itself; else ``mla::combine`` runs with ``combine`` tiling
+    (``None`` for a bare ``mla::decode``). ``reasons``: ``(decision, why)`` pairs."""
 
-    Triton kernel, measured with ncu on an H200 (benchmarks/NOTES.md): 16-row programs use 243
-    registers per thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x
-    8 warps (1 fits). The Gluon wgmma kernel (``wgmma=True``) holds two or three 64-token KV tiles
-    in flight, 164 KB (16 rows) to 225 KB (64 rows) of shared memory: 1 fits (NOTES.md items 23-25).
-    16-row programs that multiply a float8 cache in float8 take 102 KB, but 255 registers x 160
-    threads: 1 fits there too (item 57).
-    """
-    if wgmma:
-        return 1
-    return 2 if rows_per_program(query_rows) <= 16 else 1
-
-
-class SplitPlan(NamedTuple):
-    """``num_splits`` and ``total_splits`` for ``mla::decode`` (see ``split_bounds``)."""
-
+    kernel: str
     num_splits: int
     total_splits: int | None
+    causal: bool
+    fill_empty: bool
+    merge_in_kernel: bool
+    combine: tuple[int, int] | None
+    wgmma: WgmmaPlan | None
+    triton: TritonPlan | None
+    reasons: tuple[tuple[str, str], ...] = field(default=())
 
+    def why(self, decision: str) -> str:
+        """The reason recorded for ``decision`` (``"kernel"``, ``"loads"``, ``"merge"``, ...)."""
+        return dict(self.reasons).get(decision, "")
 
-def plan_splits(
-    batch_size: int | torch.SymInt,
-    query_rows: int,
-    capacity: int | torch.SymInt | None,
-    device: torch.device,
-    wgmma: bool = False,
-) -> SplitPlan:
-    """Choose ``num_splits`` and ``total_splits`` for ``mla_decode`` without reading tensor values.
+    @property
+    def record(self) -> dict[str, object]:
+        """The plan as the runtime reports a launch (``runtime.LAST_LAUNCH``'s keys)."""
+        rec: dict[str, object] = {"kernel": self.kernel, "num_splits": self.num_splits,
+                                  "total_splits": self.total_splits}  # fmt: skip
+        if self.combine is not None or self.merge_in_kernel:
+            where = "decode kernel: " if self.merge_in_kernel else "mla::combine: "
+            rec["merge"] = where + self.why("merge")
+        if self.combine is not None:
+            rec["combine_tiling"] = self.combine
+        if self.wgmma is not None:
+            w = self.wgmma
+            rec.update(
+                decode_path="wgmma", wgmma_loads=w.loads,
+                wgmma_one_scorer=w.loop == "one-scorer", wgmma_rows_on_m=w.loop == "rows-on-m",
+                wgmma_producer_warps=w.producer_warps,
+                wgmma_query_in_registers=w.query_in_registers,
+                wgmma_float8_products=w.float8_products,
+                wgmma_order="longest-first" if w.longest_first else "split-major",
+            )  # fmt: skip
+        elif self.triton is not None:
+            rec["decode_path"] = "tma" if self.triton.use_tma else "gather"
+        return rec
 
-    batch_size: sequences in the batch; query_rows: heads x S_q; capacity: the most tokens one
-    sequence can hold (cache length or pages x page size), used only when it is a plain int.
-    The chunks of one wave of resident programs are spread over the batch's tokens
-    (``total_splits``), and one sequence may take up to ``RAGGED_HEADROOM`` times its even share
-    (``num_splits``). A uniform batch gets exactly the even per-sequence split; a symbolic batch
-    gets even per-sequence splits (no ``total_splits``). A single sequence of at most 32 query
-    rows on the wgmma kernel, of a known capacity, gets no headroom: as many splits as one
-    wave's chunks of its capacity (up to ``SINGLE_SEQUENCE_MAX_SPLITS``). ``wgmma``: the call
-    runs the Gluon wgmma kernel (``triton_kernels.wgmma_plan_path``), which keeps one program
-    per multiprocessor.
-    Returns ``(1, None)`` off CUDA (the reference gains nothing from splitting).
-    """
-    if device.type != "cuda":
-        return SplitPlan(1, None)
-    # Logging is skipped while dynamo traces (it cannot trace logger calls).
-    tracing = torch.compiler.is_compiling()
-    symbolic = not isinstance(batch_size, int)
-    if symbolic:
-        if not tracing:
-            log.info(
-                "mla_decode planner: batch size is symbolic, planning for %d sequences "
-                "(pass num_splits= to override)",
-                SYMBOLIC_BATCH_ASSUMPTION,
+    def describe(self) -> str:
+        """One line per decision with its reason."""
+        lines = [f"mla decode plan: {self.kernel} kernel, {self.num_splits} splits"
+                 f" (total_splits={self.total_splits})"]  # fmt: skip
+        if self.wgmma is not None:
+            w = self.wgmma
+            lines.append(
+                f"  wgmma: {w.block_m}-row {w.loop} programs, {w.num_warps} warps, ring of "
+                f"{w.num_stages}, {w.loads} loads, producer warps {w.producer_warps}, query in "
+                f"registers {w.query_in_registers}, float8 products {w.float8_products}, "
+                f"{'longest-first' if w.longest_first else 'split-major'} order"
             )
-        batch_size = SYMBOLIC_BATCH_ASSUMPTION
-    batch_size = max(1, batch_size)
-    sms = multiprocessor_count(device)
-    programs_per_split = batch_size * math.ceil(query_rows / rows_per_program(query_rows))
-    # As many chunks as fill one wave of resident programs, and no more: a partial second wave
-    # costs up to a whole wave's time (ncu measured a 1.45-wave grid losing that tail).
-    even = max(1, sms * programs_per_sm(query_rows, wgmma) // programs_per_split)
-    # (The Triton kernel, two programs per multiprocessor, keeps MAX_SPLITS: not measured. So
-    # does an unknown capacity: a short sequence would leave most of 128 splits empty.)
-    single = (
-        batch_size == 1
-        and not symbolic
-        and wgmma
-        and rows_per_program(query_rows) <= 32
-        and isinstance(capacity, int)
-    )
-    limit = SINGLE_SEQUENCE_MAX_SPLITS if single else MAX_SPLITS
-    if isinstance(capacity, int):
-        limit = min(limit, max(1, math.ceil(capacity / MIN_CHUNK)))
-    if symbolic:
-        plan = SplitPlan(max(1, min(even, limit)), None)
-    elif single:
-        # The chunks a full cache is cut into for one wave (split_len's rounding), so that a
-        # split count past them (an emptier combine) is not asked for.
-        chunks = -(-capacity // _round_up_to_granule(-(-capacity // even)))
-        plan = SplitPlan(max(1, min(chunks, limit)), even)
+        if self.triton is not None:
+            t = self.triton
+            lines.append(f"  triton: {t.tiling}, TMA {t.use_tma}, float8 in fp16 {t.kv_f16}")
+        if self.combine is not None:
+            lines.append(f"  combine tiling (BLOCK_S, BLOCK_L) = {self.combine}")
+        lines += [f"  {decision}: {why}" for decision, why in self.reasons]
+        return "\n".join(lines)
+
+
+def _wgmma_plan(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    loads: str,
+    num_splits: int,
+    total_splits: int | None,
+    options: DecodeOptions,
+) -> WgmmaPlan:
+    """The Hopper kernel's tiling and loop. An ``attn_mask`` is read by the transposed and
+    one-scorer loops, so gathered 64-row programs take the transposed loop with one."""
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    block_m, num_warps = wgmma_tiling(q.shape[1] * q.shape[2])
+    float8 = kv_c.dtype == torch.float8_e4m3fn
+    gather = loads == "gather"
+    masked = attn_mask is not None
+    stages = wgmma_stages(block_m, kv_len, rope_len, float8, device.shared_memory_optin(q.device))
+    one_scorer = options.one_scorer
+    if one_scorer is None:
+        one_scorer = default_one_scorer(block_m, float8, gather)
+    if one_scorer:
+        # num_warps is warpgroup 0's; warpgroup 1 is a partition of its own that also copies.
+        # Its pipeline is built for two ring slots, even where a narrower row would fit three.
+        num_warps, producer_warps, rows_on_m, stages = 4, 0, False, 2
     else:
-        plan = SplitPlan(max(1, min(RAGGED_HEADROOM * even, limit)), batch_size * even)
-    if not tracing:
-        log.debug(
-            "mla_decode planner: batch=%d rows=%d capacity=%s sms=%d wgmma=%s -> %s",
-            batch_size,
-            query_rows,
-            capacity,
-            sms,
-            wgmma,
-            plan,
+        producer_warps = options.producer_warps
+        if producer_warps is None:
+            producer_warps = default_producer_warps(num_warps, gather)
+        rows_on_m = options.rows_on_m
+        if rows_on_m is None:
+            rows_on_m = default_rows_on_m(block_m, num_warps, float8) and not masked
+    query_in_registers = default_query_in_registers(
+        one_scorer, kv_len, rope_len, masked, options.query_in_registers
+    )
+    if query_in_registers:
+        stages = 3
+    float8_products = options.float8_products
+    if float8_products is None:
+        float8_products = default_float8_products(block_m, kv_len, float8, gather)
+    longest_first = options.longest_first
+    if longest_first is None:
+        longest_first = default_longest_first(
+            q.shape[0], num_splits, total_splits, options.lengths_per_step,
+            rows_on_m or one_scorer,
+        )  # fmt: skip
+    loop = "one-scorer" if one_scorer else "rows-on-m" if rows_on_m else "transposed"
+    return WgmmaPlan(
+        loads=loads, block_m=block_m, num_warps=num_warps, num_stages=stages,
+        producer_warps=producer_warps, loop=loop, query_in_registers=query_in_registers,
+        float8_products=float8_products, longest_first=longest_first,
+        lengths_per_step=options.lengths_per_step,
+    )  # fmt: skip
+
+
+def _triton_plan(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    tiling: TritonTiling,
+    lengths_per_step: int,
+) -> tuple[TritonPlan, str]:
+    """The Triton kernel's loads and float8 handling for ``tiling``, and why."""
+    use_tma, why = tma_support(kv_c, k_pe, block_table, tiling.block_n)
+    if tiling.use_tma is False and use_tma:
+        use_tma, why = False, "the tiling turns TMA off (TritonTiling.use_tma=False)"
+    # A float8 kv_c is computed with in fp16 (bf16 and fp16 queries; fp32 keeps fp32 dots).
+    kv_f16 = kv_c.dtype == torch.float8_e4m3fn and q.element_size() == 2 and tiling.fp8_in_f16
+    ptx_convert = kv_f16 and tiling.fp8_ptx_convert and device.has_e4m3_convert(q.device)
+    plan = TritonPlan(tiling, use_tma, kv_f16, ptx_convert, lengths_per_step)
+    why = ("TMA: " if use_tma else "per-token loads: ") + why
+    if kv_f16:
+        how = "inline PTX" if ptx_convert else "Triton's cast (no sm_89+ CUDA device, or off)"
+        why += f"; float8 tiles computed in fp16, converted by {how}"
+    return plan, why
+
+
+def plan_decode(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+    *,
+    causal: bool,
+    num_splits: int,
+    total_splits: int | None,
+    fill_empty: bool = True,
+    merge: bool = True,
+    options: DecodeOptions = DEFAULT_OPTIONS,
+) -> DecodePlan:
+    """The plan of one ``mla::attention`` call (``merge=True``: decode and merge) or one bare
+    ``mla::decode`` (``merge=False``: partials only), from metadata alone.
+
+    Arguments as ``mla::decode``'s (``q [B, S_q, H, L+R]``, ``kv_c [..., L]``, ``k_pe [..., R]``,
+    paged when ``block_table`` is given); ``options``: the overrides (``DecodeOptions``).
+    """
+    reasons: list[tuple[str, str]] = []
+    # Off CUDA the op runs PyTorch; under Triton's interpreter (TRITON_INTERPRET=1, the tests)
+    # the runtime's kernels run on CPU tensors, and this plans them.
+    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    if (q.device.type != "cuda" and not interpreted) or q.dtype == torch.float64:
+        why = f"{q.device.type} runs the PyTorch implementation"
+        if q.dtype == torch.float64:
+            why = "float64: Triton passes float scalars as fp32, so float64 runs PyTorch"
+        return DecodePlan(
+            kernel="reference", num_splits=num_splits, total_splits=total_splits, causal=causal,
+            fill_empty=fill_empty, merge_in_kernel=False, combine=None, wgmma=None, triton=None,
+            reasons=(("kernel", why),),
+        )  # fmt: skip
+    tiling = options.triton_tiling
+    if tiling is None:
+        tiling = triton_tiling(
+            q.shape[1] * q.shape[2], kv_c.shape[-1], k_pe.shape[-1], q.element_size(),
+            device.shared_memory_optin(q.device), kv_c.dtype == torch.float8_e4m3fn,
+        )  # fmt: skip
+    loads, why = None, "turned off (DecodeOptions.use_wgmma=False)"
+    if options.use_wgmma is not False:
+        loads, why = wgmma_path(q, kv_c, k_pe, block_table, attn_mask)
+        if loads and kv_c.dtype == torch.float8_e4m3fn and not tiling.fp8_in_f16:
+            loads, why = None, "TritonTiling.fp8_in_f16=False (the wgmma kernel uses fp16)"
+        if options.use_wgmma and not loads:
+            raise ValueError(
+                f"DecodeOptions.use_wgmma=True, but the wgmma kernel cannot run: {why}"
+            )
+    reasons.append(("kernel", why))
+    wgmma = triton = None
+    if loads:
+        wgmma = _wgmma_plan(q, kv_c, k_pe, attn_mask, loads, num_splits, total_splits, options)
+    else:
+        triton, why_loads = _triton_plan(
+            q, kv_c, k_pe, block_table, tiling, options.lengths_per_step
         )
+        reasons.append(("loads", why_loads))
+    merge_in_kernel, combine = False, None
+    if merge:
+        merge_in_kernel, why_merge = merge_path(loads, num_splits, options.merge_max_splits)
+        reasons.append(("merge", why_merge))
+        if not merge_in_kernel:
+            batch, s_q, heads = q.shape[:3]
+            combine = options.combine_tiling or combine_tiling(
+                num_splits,
+                kv_c.shape[-1],
+                batch * s_q * heads,
+                device.multiprocessor_count(q.device) if q.is_cuda else 0,
+            )
+    plan = DecodePlan(
+        kernel="wgmma" if loads else "triton", num_splits=num_splits, total_splits=total_splits,
+        causal=causal, fill_empty=fill_empty, merge_in_kernel=merge_in_kernel, combine=combine,
+        wgmma=wgmma, triton=triton, reasons=tuple(reasons),
+    )  # fmt: skip
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s", plan.describe())
     return plan
+
+
+def plan_combine(
+    out_partial: torch.Tensor, options: DecodeOptions = DEFAULT_OPTIONS
+) -> tuple[int, int]:
+    """The combine kernel's ``(BLOCK_S, BLOCK_L)`` for partials ``[..., S, L]``."""
+    if options.combine_tiling is not None:
+        return options.combine_tiling
+    num_splits, kv_len = out_partial.shape[-2:]
+    rows = math.prod(out_partial.shape[:-2])
+    sms = device.multiprocessor_count(out_partial.device) if out_partial.is_cuda else 0
+    return combine_tiling(num_splits, kv_len, rows, sms)
+
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "WGMMA_BLOCK_N",
+    "DecodeOptions",
+    "DecodePlan",
+    "TritonPlan",
+    "WgmmaPlan",
+    "plan_combine",
+    "plan_decode",
+]

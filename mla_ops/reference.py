@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .planner import split_bounds
+from .splits import split_bounds
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -47,7 +47,7 @@ class DecodeCase:
     num_splits: int
     kv_scale: float | None = None  # set for a float8 cache
     attn_mask: torch.Tensor | None = None  # [B, S_q, T_m] bool or float
-    total_splits: int | None = None  # chunks over the batch (planner.split_bounds)
+    total_splits: int | None = None  # chunks over the batch (splits.split_bounds)
 
     def op_args(self) -> tuple:
         return (

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from mla_compile import mla_ops
+from mla_compile.mla_ops import device as device_facts
+from mla_compile.mla_ops import planner, reference, runtime, splits, tiling, triton_kernels  # noqa: F401
 from tests.conftest import HAS_CUDA
 from tests.mla_ops.cases import make_case
 
@@ -88,7 +90,6 @@ def test_decode_then_combine_in_a_cuda_graph_matches_eager(page_size: int) -> No
     waits on the device for the decode's partials: captured in a CUDA graph, replays of
     ``mla_decode`` on new inputs equal eager calls bit for bit, and so does a combine whose
     partials a plain PyTorch kernel wrote just before it."""
-    from mla_compile.mla_ops import triton_kernels
 
     case = make_case(
         90 + page_size, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
@@ -124,4 +125,4 @@ def test_decode_then_combine_in_a_cuda_graph_matches_eager(page_size: int) -> No
         ref, ref_lse = merge64(out_p, lse_p)
         torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
-    assert triton_kernels.has_pdl(q.device) == (torch.cuda.get_device_capability()[0] >= 9)
+    assert device_facts.has_pdl(q.device) == (torch.cuda.get_device_capability()[0] >= 9)

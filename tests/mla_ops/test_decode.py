@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from mla_compile import mla_ops
-from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE, split_bounds, split_len
+from mla_compile.mla_ops import splits
+from mla_compile.mla_ops.splits import MIN_CHUNK, SPLIT_GRANULE, split_bounds, split_len
 from tests.conftest import HAS_CUDA, requires_cuda
 from tests.mla_ops.cases import assert_matches, make_case, poison_hidden_keys
 
@@ -163,10 +164,10 @@ def test_split_bounds_cover_each_sequence(num_splits: int, total_splits: int | N
 
 @pytest.mark.parametrize("seed", range(6))
 def test_longest_first_order(seed: int) -> None:
-    """The wgmma kernel's longest-first order (``planner.longest_first_order``): every (sequence,
+    """The wgmma kernel's longest-first order (``splits.longest_first_order``): every (sequence,
     split) once; full chunks first, sequence by sequence; then partial chunks by tiles, most
     first; then the empty ones. Equal lengths keep the split-major order."""
-    from mla_compile.mla_ops.planner import longest_first_order
+    from mla_compile.mla_ops.splits import longest_first_order
 
     gen = torch.Generator().manual_seed(seed)
     batch = int(torch.randint(2, 129, (1,), generator=gen))
@@ -270,12 +271,11 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
     ],
 )
 def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) -> None:
-    from mla_compile.mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(splits, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
-    assert planner.plan_splits(batch, rows, capacity, device) == expected
-    assert planner.plan_splits(batch, rows, capacity, torch.device("cpu")) == (1, None)
+    assert splits.plan_splits(batch, rows, capacity, device) == expected
+    assert splits.plan_splits(batch, rows, capacity, torch.device("cpu")) == (1, None)
 
 
 @pytest.mark.parametrize(
@@ -288,11 +288,10 @@ def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) ->
 )
 def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected) -> None:
     """The Gluon wgmma kernel keeps one program per multiprocessor: half the Triton kernel's."""
-    from mla_compile.mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(splits, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
-    assert planner.plan_splits(batch, 16, capacity, device, wgmma=True) == expected
+    assert splits.plan_splits(batch, 16, capacity, device, wgmma=True) == expected
 
 
 @pytest.mark.parametrize(
@@ -312,32 +311,29 @@ def test_planner_single_sequence(monkeypatch, rows, capacity, wgmma, expected) -
     """A batch of one sequence has no raggedness to leave headroom for: its wgmma programs of at
     most 32 rows take as many chunks as one wave cuts its capacity into (NOTES.md item 65), and
     every chunk of a full cache then has a program of its own."""
-    from mla_compile.mla_ops import planner
 
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(splits, "multiprocessor_count", lambda device: 132)
     device = torch.device("cuda", 0)
-    plan = planner.plan_splits(1, rows, capacity, device, wgmma=wgmma)
+    plan = splits.plan_splits(1, rows, capacity, device, wgmma=wgmma)
     assert plan == expected
     if capacity is None:
         return
     full = torch.tensor([capacity], dtype=torch.int32)
-    start, end = planner.split_bounds(full, plan.num_splits, plan.total_splits)
+    start, end = splits.split_bounds(full, plan.num_splits, plan.total_splits)
     chunks = int((end > start).sum())
     assert chunks <= plan.num_splits
     if wgmma and rows <= 32 and capacity >= 32 * 1024:
-        assert chunks > planner.MAX_SPLITS, (chunks, plan)
+        assert chunks > splits.MAX_SPLITS, (chunks, plan)
 
 
 def test_planner_symbolic_batch_splits_evenly(monkeypatch) -> None:
     """A symbolic batch has no total to balance against: even splits for the assumed batch."""
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    from mla_compile.mla_ops import planner
-
-    monkeypatch.setattr(planner, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(splits, "multiprocessor_count", lambda device: 132)
     batch = ShapeEnv().create_unbacked_symint()
-    plan = planner.plan_splits(batch, 16, None, torch.device("cuda", 0))
-    assert plan == (264 // planner.SYMBOLIC_BATCH_ASSUMPTION, None)
+    plan = splits.plan_splits(batch, 16, None, torch.device("cuda", 0))
+    assert plan == (264 // splits.SYMBOLIC_BATCH_ASSUMPTION, None)
 
 
 FP8 = torch.float8_e4m3fn

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from mla_compile.mla_ops import planner, reference, runtime, splits, tiling, triton_kernels  # noqa: F401
 from tests.conftest import HAS_CUDA, requires_cuda, triton_available
 from tests.mla_ops.cases import assert_matches, make_case
 
@@ -114,9 +115,7 @@ def _redrawn(case, seed: int):
 
 
 def _signature(case):
-    from mla_compile.mla_ops import triton_kernels
-
-    return triton_kernels.call_signature(
+    return runtime.call_signature(
         case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, case.causal,
         case.num_splits, case.kv_scale, case.attn_mask, case.total_splits,
     )  # fmt: skip
@@ -137,29 +136,34 @@ def test_a_kept_plan_runs_each_calls_data(kernels, seed: int, dtype: torch.dtype
     assert len({_signature(c) for c in cases}) == 1
     # Triton's interpreter adds its names to a kernel's module on the first run of the kernel, a
     # change of that module that drops the plans once; a warm-up call takes it.
-    kernels.attention(*make_case(5150, device=DEVICE, mask="bool", num_splits=3).op_args())
+    runtime.attention(*make_case(5150, device=DEVICE, mask="bool", num_splits=3).op_args())
     plans = []
     for i, c in enumerate(cases):
-        out, lse = kernels.attention(*c.op_args())
-        plans.append(kernels._PLANS.lookup(_signature(c)))
+        out, lse = runtime.attention(*c.op_args())
+        plans.append(
+            runtime._LAUNCHES.lookup(("attention", _signature(c), planner.DEFAULT_OPTIONS))
+        )
         assert_matches(out, lse, *c.reference(), dtype, f"call {i}: {c.describe()}")
     assert plans[0] is not None and all(plan is plans[0] for plan in plans)
     if HAS_CUDA:
-        assert kernels.LAST_LAUNCH["decode_launch"] == "direct"
+        assert runtime.LAST_LAUNCH["decode_launch"] == "direct"
 
 
-def test_a_patched_choice_reaches_a_kept_signature(kernels, monkeypatch) -> None:
-    """A plan is made again after a module knob is patched: the combine's tiling, replaced after
-    a first call, is the one the second call of the same signature launches."""
+def test_options_key_their_own_plans(kernels) -> None:
+    """Options are part of a kept plan's key: the same signature with another combine tiling
+    launches that tiling, and the default options keep theirs."""
     case = make_case(5200, dtype=torch.float32, device=DEVICE, num_splits=3, heads=4, s_q=1,
                      dims=(64, 0), lengths=[300, 90])  # fmt: skip
-    kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("mla::combine")
-    assert kernels.LAST_LAUNCH["combine_tiling"][1] > 16
-    monkeypatch.setattr(kernels, "combine_tiling", lambda *a, **k: (4, 16))
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["combine_tiling"] == (4, 16)
+    runtime.attention(*case.op_args())
+    assert runtime.LAST_LAUNCH["merge"].startswith("mla::combine")
+    assert runtime.LAST_LAUNCH["combine_tiling"][1] > 16
+    default_tiling = runtime.LAST_LAUNCH["combine_tiling"]
+    options = planner.DecodeOptions(combine_tiling=(4, 16))
+    out, lse = runtime.attention(*case.op_args(), options=options)
+    assert runtime.LAST_LAUNCH["combine_tiling"] == (4, 16)
     assert_matches(out, lse, *case.reference(), torch.float32, case.describe())
+    runtime.attention(*case.op_args())
+    assert runtime.LAST_LAUNCH["combine_tiling"] == default_tiling
 
 
 def test_signatures_differ_in_what_launches_depend_on(kernels) -> None:
@@ -187,15 +191,15 @@ def test_decode_and_combine_ops_keep_their_kernels(kernels) -> None:
     too: calls with new tensors and values match the reference, and one kept kernel serves
     each op."""
     case = make_case(5400, dtype=torch.float32, device=DEVICE, num_splits=3, mask="bool")
-    kernels.combine(*kernels.decode(*case.op_args()), case.q.dtype)  # the interpreter's first run
+    runtime.combine(*runtime.decode(*case.op_args()), case.q.dtype)  # the interpreter's first run
     kept = []
     for c in (case, _redrawn(case, 1), _redrawn(case, 2)):
-        out_p, lse_p = kernels.decode(*c.op_args())
-        out, lse = kernels.combine(out_p, lse_p, c.q.dtype)
+        out_p, lse_p = runtime.decode(*c.op_args())
+        out, lse = runtime.combine(out_p, lse_p, c.q.dtype)
         assert_matches(out, lse, *c.reference(), torch.float32, c.describe())
-        combine_key = (out_p.device, kernels._tensor_signature(out_p),
-                       kernels._tensor_signature(lse_p), c.q.dtype)  # fmt: skip
-        kept.append((kernels._DECODE_KERNELS.lookup((_signature(c), True)),
-                     kernels._COMBINE_KERNELS.lookup(combine_key)))  # fmt: skip
+        sig_p, sig_l = runtime._tensor_signature(out_p), runtime._tensor_signature(lse_p)
+        combine_key = ("combine", out_p.device, sig_p, sig_l, c.q.dtype, planner.DEFAULT_OPTIONS)
+        decode_key = ("decode", _signature(c), True, planner.DEFAULT_OPTIONS)
+        kept.append((runtime._LAUNCHES.lookup(decode_key), runtime._LAUNCHES.lookup(combine_key)))
     assert all(k is not None for pair in kept for k in pair)
     assert all(pair[0] is kept[0][0] and pair[1] is kept[0][1] for pair in kept)

@@ -12,6 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mla_compile.mla_ops import device as device_facts
+from mla_compile.mla_ops import planner, reference, runtime, splits, tiling, triton_kernels  # noqa: F401
 from tests.conftest import HAS_CUDA, triton_available
 from tests.mla_ops.cases import (
     TRIGGER_AFTER_LOOP,
@@ -31,7 +33,7 @@ DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if HAS_CUDA else [])
 def kernels(kernels, monkeypatch):
     # These tests are about the Triton kernel: on a Hopper GPU the op would otherwise take the
     # Gluon wgmma kernel where it applies (tested in test_wgmma_decode.py).
-    monkeypatch.setattr(kernels, "has_wgmma", lambda device: False)
+    monkeypatch.setattr(device_facts, "has_wgmma", lambda device: False)
     return kernels
 
 
@@ -42,9 +44,9 @@ def path_kernels(request, kernels, monkeypatch):
     Without a Hopper GPU the TMA path runs in the interpreter, which emulates descriptors.
     """
     if request.param == "tma":
-        monkeypatch.setattr(kernels, "has_copy_engine", lambda device: True)
+        monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: True)
     else:
-        monkeypatch.setattr(kernels, "has_copy_engine", lambda device: False)
+        monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: False)
     kernels.expected_path = request.param
     return kernels
 
@@ -62,7 +64,7 @@ def test_tma_and_gather_paths(path_kernels, seed: int, dtype: torch.dtype) -> No
         max_len=300 if not HAS_CUDA else 3000,
     )
     out, lse = run_kernels(path_kernels, case)
-    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    assert runtime.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
@@ -73,23 +75,25 @@ def test_tma_path_poisons_bad_page(path_kernels) -> None:
     )
     case.block_table[0, 2] = case.kv_c.shape[0] + 1
     out, lse = run_kernels(path_kernels, case)
-    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    assert runtime.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
     assert torch.isnan(out[0]).all() and torch.isnan(lse[0]).all()
     assert not torch.isnan(out[1]).any()
 
 
 def test_config_can_turn_tma_off(kernels, monkeypatch, caplog) -> None:
     """A tiling with use_tma=False takes per-token loads where TMA would apply, and says why."""
-    monkeypatch.setattr(kernels, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: True)
     case = make_case(
         31, device=DEVICE, page_size=64, dims=(32, 16), lengths=[200, 70], s_q=1, num_splits=2
     )
-    config = kernels.DecodeConfig(16, 64, 4, 2, use_tma=False)
+    config = tiling.TritonTiling(16, 64, 4, 2, use_tma=False)
     with caplog.at_level(logging.DEBUG, logger="mla_ops"):
-        out_p, lse_p = kernels.decode(*case.op_args(), config=config)
-    assert kernels.LAST_LAUNCH["decode_path"] == "gather"
-    assert "gather loads (the tiling turns TMA off (DecodeConfig.use_tma=False))" in caplog.text
-    out, lse = kernels.combine(out_p, lse_p, case.q.dtype)
+        out_p, lse_p = runtime.decode(
+            *case.op_args(), options=planner.DecodeOptions(triton_tiling=config)
+        )
+    assert runtime.LAST_LAUNCH["decode_path"] == "gather"
+    assert "per-token loads: the tiling turns TMA off (TritonTiling.use_tma=False)" in caplog.text
+    out, lse = runtime.combine(out_p, lse_p, case.q.dtype)
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
 
@@ -106,7 +110,7 @@ def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
     lse_p[0, 1] = float("-inf")  # an empty row
     lse_p[1, :, num_splits // 2] = float("-inf")  # an empty split; its partial must not be read
     out_p[1, :, num_splits // 2] = float("nan")
-    out, lse = kernels.combine(out_p, lse_p, torch.float32)
+    out, lse = runtime.combine(out_p, lse_p, torch.float32)
     ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
@@ -117,37 +121,28 @@ def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
     where the rows still give every multiprocessor ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs: case
     (b)'s 4096 rows of 4 splits on 132 multiprocessors, not (e)'s 1024, not 64 splits, and never
     without a device count (NOTES.md item 50)."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
-    assert tk.combine_tiling(4, 512) == (4, 256)
-    assert tk.combine_tiling(4, 512, rows=4096, multiprocessors=132) == (4, 512)
-    assert tk.combine_tiling(4, 512, rows=1024, multiprocessors=132) == (4, 256)
-    assert tk.combine_tiling(64, 512, rows=128, multiprocessors=132) == (64, 64)
-    assert tk.combine_tiling(64, 512, rows=10**6, multiprocessors=132) == (64, 64)
-    assert tk.combine_tiling(8, 512, rows=10**6, multiprocessors=132) == (8, 512)
-    assert tk.combine_tiling(16, 512, rows=10**6, multiprocessors=132) == (16, 256)
-    assert tk.combine_tiling(2, 24, rows=10**6, multiprocessors=1) == (2, 32)
-    assert tk.combine_tiling(1, 512, rows=10**6, multiprocessors=1) == (2, 512)
+    assert tiling.combine_tiling(4, 512) == (4, 256)
+    assert tiling.combine_tiling(4, 512, rows=4096, multiprocessors=132) == (4, 512)
+    assert tiling.combine_tiling(4, 512, rows=1024, multiprocessors=132) == (4, 256)
+    assert tiling.combine_tiling(64, 512, rows=128, multiprocessors=132) == (64, 64)
+    assert tiling.combine_tiling(64, 512, rows=10**6, multiprocessors=132) == (64, 64)
+    assert tiling.combine_tiling(8, 512, rows=10**6, multiprocessors=132) == (8, 512)
+    assert tiling.combine_tiling(16, 512, rows=10**6, multiprocessors=132) == (16, 256)
+    assert tiling.combine_tiling(2, 24, rows=10**6, multiprocessors=1) == (2, 32)
+    assert tiling.combine_tiling(1, 512, rows=10**6, multiprocessors=1) == (2, 512)
 
 
 def test_combine_tiles_by_its_rows_and_the_device(kernels, monkeypatch) -> None:
-    """``combine`` hands the tiling rule its row count and, on CUDA, the device's multiprocessor
-    count (0 elsewhere, which keeps the base tiling), and records the tiling it ran."""
-    from mla_compile.mla_ops import planner
-
-    seen = []
-    rule = kernels.combine_tiling
-
-    def recording(*args):
-        seen.append(args)
-        return rule(*args)
-
-    monkeypatch.setattr(kernels, "combine_tiling", recording)
+    """The combine's plan hands the tiling rule its row count and, on CUDA, the device's
+    multiprocessor count (0 elsewhere, which keeps the base tiling), and the launch records the
+    tiling it ran."""
+    rule = tiling.combine_tiling
     out_p = torch.randn(3, 5, 4, 40, device=DEVICE)
-    kernels.combine(out_p, torch.randn(3, 5, 4, device=DEVICE), torch.float32)
-    sms = planner.multiprocessor_count(out_p.device) if HAS_CUDA else 0
-    assert seen == [(4, 40, 15, sms)]
-    assert kernels.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms)
+    sms = splits.multiprocessor_count(out_p.device) if HAS_CUDA else 0
+    assert planner.plan_combine(out_p) == rule(4, 40, 15, sms)
+    runtime.combine(out_p, torch.randn(3, 5, 4, device=DEVICE), torch.float32)
+    assert runtime.LAST_LAUNCH["combine_tiling"] == rule(4, 40, 15, sms)
 
 
 @pytest.mark.parametrize("num_splits", [2, 4])
@@ -156,21 +151,22 @@ def test_combine_kernel_wide_column_blocks(kernels, monkeypatch, num_splits: int
     a masked column block included (width 600)."""
     from tests.mla_ops.test_combine import merge64
 
-    monkeypatch.setattr(kernels, "combine_tiling", lambda splits, width, *_: (num_splits, 512))
+    options = planner.DecodeOptions(combine_tiling=(num_splits, 512))
     gen = torch.Generator().manual_seed(num_splits)
     out_p = torch.randn(2, 3, num_splits, 600, generator=gen).to(DEVICE)
     lse_p = (torch.randn(2, 3, num_splits, generator=gen) * 4).to(DEVICE)
     lse_p[1, :, 1] = float("-inf")  # an empty split; its partial must not be read
     out_p[1, :, 1] = float("nan")
-    out, lse = kernels.combine(out_p, lse_p, torch.float32)
+    out, lse = runtime.combine(out_p, lse_p, torch.float32, options)
+    assert runtime.LAST_LAUNCH["combine_tiling"] == (num_splits, 512)
     ref, ref_lse = merge64(out_p.cpu().double(), lse_p.cpu().double())
     torch.testing.assert_close(out.cpu().double(), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-5, rtol=1e-5)
 
 
 def run_kernels(kernels, case):
-    out_p, lse_p = kernels.decode(*case.op_args())
-    return kernels.combine(out_p, lse_p, case.q.dtype)
+    out_p, lse_p = runtime.decode(*case.op_args())
+    return runtime.combine(out_p, lse_p, case.q.dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -201,8 +197,11 @@ def test_mask_per_program_query_position(kernels, block_m: int, kind: str) -> No
         430 + block_m, device=DEVICE, s_q=3, heads=16, dims=(32, 16), mask=kind, causal=True,
         max_len=300, page_size=16,
     )  # fmt: skip
-    out_p, lse_p = kernels.decode(*case.op_args(), config=kernels.DecodeConfig(block_m, 32, 4, 2))
-    out, lse = kernels.combine(out_p, lse_p, case.q.dtype)
+    out_p, lse_p = runtime.decode(
+        *case.op_args(),
+        options=planner.DecodeOptions(triton_tiling=tiling.TritonTiling(block_m, 32, 4, 2)),
+    )
+    out, lse = runtime.combine(out_p, lse_p, case.q.dtype)
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, case.q.dtype, case.describe())
 
@@ -211,7 +210,6 @@ def test_mask_per_program_query_position(kernels, block_m: int, kind: str) -> No
 @pytest.mark.parametrize("s_q", [1, 3, 8])
 def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None) -> None:
     """Kernel and PyTorch implementation return the same partials (same split geometry)."""
-    from mla_compile.mla_ops import reference
 
     case = make_case(
         7,
@@ -222,7 +220,7 @@ def test_partials_match_reference_impl(kernels, s_q: int, page_size: int | None)
         num_splits=3,
         heads=5,
     )
-    out_p, lse_p = kernels.decode(*case.op_args())
+    out_p, lse_p = runtime.decode(*case.op_args())
     ref_p, ref_lse_p = reference.decode(*case.op_args())
     torch.testing.assert_close(lse_p, ref_lse_p, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out_p, ref_p, atol=2e-5, rtol=2e-5)
@@ -236,16 +234,15 @@ def test_balanced_partials_match_reference_impl(
     """Chunks of one batch-wide length (``total_splits``): same partials as the PyTorch
     implementation, empty splits (zeros, -inf) written too (outputs start as NaN), and the
     lengths summed in several blocks."""
-    from mla_compile.mla_ops import reference
 
-    monkeypatch.setattr(path_kernels, "LENGTHS_PER_STEP", 4)  # 9 sequences: 3 blocks
+    options = planner.DecodeOptions(lengths_per_step=4)  # 9 sequences: 3 blocks
     lengths = [0, 1000, s_q, 700, 0, 300, 1400, 64, 900]
     case = make_case(
         11, device=DEVICE, s_q=s_q, page_size=64, dims=(32, 16), lengths=lengths, heads=3,
         num_splits=8, total_splits=total_splits,
     )  # fmt: skip
-    out_p, lse_p = path_kernels.decode(*case.op_args())
-    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    out_p, lse_p = runtime.decode(*case.op_args(), options=options)
+    assert runtime.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
     ref_p, ref_lse_p = reference.decode(*case.op_args())
     torch.testing.assert_close(lse_p, ref_lse_p, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out_p, ref_p, atol=2e-5, rtol=2e-5)
@@ -273,14 +270,13 @@ def test_length_beyond_capacity_poisons_instead_of_reading_out_of_bounds(kernels
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_combine_kernel(kernels, num_splits: int) -> None:
-    from mla_compile.mla_ops import reference
 
     out_p = torch.randn(3, 4, num_splits, 40, device=DEVICE)
     lse_p = torch.randn(3, 4, num_splits, device=DEVICE) * 3
     lse_p[0, 0] = float("-inf")  # a row with no state at all
     lse_p[1, :, 0] = float("-inf")  # an empty split: its output must not be read
     out_p[1, :, 0] = float("nan")
-    out, lse = kernels.combine(out_p, lse_p, torch.float16)
+    out, lse = runtime.combine(out_p, lse_p, torch.float16)
     ref, ref_lse = reference.combine(out_p.double(), lse_p.double(), None)
     assert out.dtype == torch.float16
     assert (out[0, 0] == 0).all() and torch.isneginf(lse[0, 0])
@@ -291,27 +287,26 @@ def test_combine_kernel(kernels, num_splits: int) -> None:
 def test_default_config_fits_shared_memory() -> None:
     """The tuned bf16 tilings stay as measured; fp32 and wide latents shrink until the bound
     fits (H100/H200: 232448 B); a width no tiling fits is refused by name."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
-    bf16_64 = tk.default_config(128, 512, 64, 2, 232448)
-    assert bf16_64 == tk.DecodeConfig(64, 64, 8, 2, use_tma=False)  # TMA: 30-46 % slower, H100
+    bf16_64 = tiling.triton_tiling(128, 512, 64, 2, 232448)
+    assert bf16_64 == tiling.TritonTiling(64, 64, 8, 2, use_tma=False)  # TMA: 30-46 % slower, H100
     # Triton 3.9 gives it 221440 B offline; the H200's Triton 3.6 reported 221184
     # (NOTES.md items 8, 76)
-    assert 221440 <= tk.shared_memory_bytes(bf16_64, 576, 2, 512) <= 232448
-    assert tk.default_config(16, 512, 64, 2, 232448) == tk.DecodeConfig(16, 32, 4, 2)
+    assert 221440 <= tiling.shared_memory_bytes(bf16_64, 576, 2, 512) <= 232448
+    assert tiling.triton_tiling(16, 512, 64, 2, 232448) == tiling.TritonTiling(16, 32, 4, 2)
     # float8 tiles: 64 tokens, one stage, measured fastest on the H100 (NOTES.md item 19)
-    fp8_16 = tk.default_config(16, 512, 64, 2, 232448, float8_cache=True)
-    assert fp8_16 == tk.DecodeConfig(16, 64, 4, 1)
+    fp8_16 = tiling.triton_tiling(16, 512, 64, 2, 232448, float8_cache=True)
+    assert fp8_16 == tiling.TritonTiling(16, 64, 4, 1)
     for rows, kv_len, size in [(16, 512, 4), (32, 512, 4), (128, 512, 4), (256, 512, 4),
                                (128, 1024, 2), (16, 1024, 2), (128, 1024, 4)]:  # fmt: skip
-        cfg = tk.default_config(rows, kv_len, 64, size, 232448)
-        assert tk.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448
+        cfg = tiling.triton_tiling(rows, kv_len, 64, size, 232448)
+        assert tiling.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448
     # Dots 3 Note's sliding-window width: 64-row programs' float32 accumulator alone is 256 KB;
     # of the tilings that fit, 32 x 32 was the fastest measured (NOTES.md item 76)
-    wide = tk.default_config(128, 1024, 64, 2, 232448)
-    assert wide == tk.DecodeConfig(32, 32, 8, 2, use_tma=False)
+    wide = tiling.triton_tiling(128, 1024, 64, 2, 232448)
+    assert wide == tiling.TritonTiling(32, 32, 8, 2, use_tma=False)
     with pytest.raises(ValueError, match=r"kv_c width 8192 .* gives a program 232448"):
-        tk.default_config(16, 8192, 64, 2, 232448)
+        tiling.triton_tiling(16, 8192, 64, 2, 232448)
 
 
 @pytest.mark.parametrize(
@@ -323,16 +318,18 @@ def test_shared_memory_bound_holds(rows: int, kv_len: int, dtype: str) -> None:
     """``shared_memory_bytes`` bounds what the installed Triton gives the default tiling, compiled
     for sm_90 offline (no GPU): a 64-row tiling at L = 1024 that the old estimate took for
     208896 B asked the H200 for 262144 (NOTES.md item 76)."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
     size = 4 if dtype == "fp32" else 2
-    cfg = tk.default_config(rows, kv_len, 64, size, 232448)
+    cfg = tiling.triton_tiling(rows, kv_len, 64, size, 232448)
     shared = offline_compile(
-        f"from mla_compile.mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
+        f"from mla_compile.mla_ops import tiling as tk; cfg = tk.{cfg!r}; "
         f"print(oc.compile_decode(cfg, heads={rows}, s_q=1, page_size=64, dtype={dtype!r}, "
         f"kv_len={kv_len}, rope_len=64).metadata.shared)"
     )
-    assert shared <= tk.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448, (cfg, shared)
+    assert shared <= tiling.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448, (
+        cfg,
+        shared,
+    )
 
 
 @pytest.mark.parametrize(("rows", "dtype"), [(16, "bf16"), (128, "bf16"), (16, "fp32")])
@@ -341,12 +338,11 @@ def test_combine_launches_once_the_loop_is_done(rows: int, dtype: str) -> None:
     once, after its loop's last product (offline sm_90 PTX): at the program's entry the
     benchmark's calls that run the combine took 0.5-1.3 us longer on an H200 (NOTES.md item 85).
     An empty split returns before the loop, and its exit counts as the trigger."""
-    from mla_compile.mla_ops import triton_kernels as tk
 
     size = 4 if dtype == "fp32" else 2
-    cfg = tk.default_config(rows, 512, 64, size, 232448)
+    cfg = tiling.triton_tiling(rows, 512, 64, size, 232448)
     res = offline_compile(
-        f"from mla_compile.mla_ops import triton_kernels as tk; cfg = tk.{cfg!r}; "
+        f"from mla_compile.mla_ops import tiling as tk; cfg = tk.{cfg!r}; "
         f"ptx = oc.compile_decode(cfg, heads={rows}, s_q=1, page_size=64, dtype={dtype!r}, "
         "tma=cfg.use_tma is not False).asm['ptx']; r = {}; " + TRIGGER_AFTER_LOOP + "print(r)"
     )
@@ -369,7 +365,7 @@ def test_fp8_cache(path_kernels, seed: int, dtype: torch.dtype) -> None:
         max_len=300 if not HAS_CUDA else 3000,
     )
     out, lse = run_kernels(path_kernels, case)
-    assert path_kernels.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
+    assert runtime.LAST_LAUNCH["decode_path"] == path_kernels.expected_path
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
@@ -392,9 +388,9 @@ def test_fp8_cache_query_outside_fp16_range(
     )  # fmt: skip
     case.q = case.q * (query_max / case.q.abs().max().item())
     case.softmax_scale /= query_max  # keep the scores' spread
-    cfg = replace(path_kernels.default_config(case.q.shape[2] * 2, 64), fp8_in_f16=fp8_in_f16)
-    out_p, lse_p = path_kernels.decode(*case.op_args(), config=cfg)
-    out, lse = path_kernels.combine(out_p, lse_p, case.q.dtype)
+    cfg = replace(tiling.triton_tiling(case.q.shape[2] * 2, 64), fp8_in_f16=fp8_in_f16)
+    out_p, lse_p = runtime.decode(*case.op_args(), options=planner.DecodeOptions(triton_tiling=cfg))
+    out, lse = runtime.combine(out_p, lse_p, case.q.dtype)
     ref_out, ref_lse = case.reference()
     assert torch.isfinite(out[:2]).all()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
@@ -409,11 +405,11 @@ def test_fp8_conversion_path_is_logged(kernels, caplog) -> None:
         cache_dtype=torch.float8_e4m3fn, lengths=[70],
     )  # fmt: skip
     with caplog.at_level(logging.DEBUG, logger="mla_ops"):
-        kernels.decode(*case.op_args())
-    ptx = kernels.has_e4m3_convert(case.q.device)
+        runtime.decode(*case.op_args())
+    ptx = device_facts.has_e4m3_convert(case.q.device)
     how = "inline PTX" if ptx else "Triton's cast"
     assert f"float8 tiles computed in fp16, converted by {how}" in caplog.text
-    assert not kernels.has_e4m3_convert(torch.device("cpu"))
+    assert not device_facts.has_e4m3_convert(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="inline PTX needs a CUDA device")
@@ -422,18 +418,20 @@ def test_fp8_conversion_path_is_logged(kernels, caplog) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_fp8_ptx_conversion_matches_cast(kernels, seed: int, use_tma, heads: int) -> None:
     """The inline-PTX e4m3 -> fp16 conversion gives what Triton's cast gives (both exact)."""
-    if not kernels.has_e4m3_convert(torch.device(DEVICE)):
+    if not device_facts.has_e4m3_convert(torch.device(DEVICE)):
         pytest.skip("needs compute capability >= 8.9")
     case = make_case(
         700 + seed, dtype=torch.bfloat16, device=DEVICE, page_size=64, dims=(512, 64),
         heads=heads, cache_dtype=torch.float8_e4m3fn, max_len=3000,
     )  # fmt: skip
     rows = case.q.shape[1] * heads
-    ptx = replace(kernels.default_config(rows, 512, float8_cache=True), use_tma=use_tma)
+    ptx = replace(tiling.triton_tiling(rows, 512, float8_cache=True), use_tma=use_tma)
     outs = []
     for cfg in (ptx, replace(ptx, fp8_ptx_convert=False)):
-        out_p, lse_p = kernels.decode(*case.op_args(), config=cfg)
-        outs.append(kernels.combine(out_p, lse_p, torch.float32))
+        out_p, lse_p = runtime.decode(
+            *case.op_args(), options=planner.DecodeOptions(triton_tiling=cfg)
+        )
+        outs.append(runtime.combine(out_p, lse_p, torch.float32))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     ref_out, ref_lse = case.reference()
     assert_matches(*outs[0], ref_out, ref_lse, torch.bfloat16, case.describe())
@@ -460,8 +458,8 @@ def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, dtype: torch.dtyp
         41, dtype=dtype, device=DEVICE, page_size=16, dims=(32, 16), lengths=[300, 0, 70],
         s_q=2, heads=3, num_splits=4, causal=True,
     )  # fmt: skip
-    out_fill, lse_fill = kernels.decode(*case.op_args(), fill_empty=True)
-    out_p, lse_p = kernels.decode(*case.op_args(), fill_empty=False)
+    out_fill, lse_fill = runtime.decode(*case.op_args(), fill_empty=True)
+    out_p, lse_p = runtime.decode(*case.op_args(), fill_empty=False)
     assert torch.equal(torch.isinf(lse_p), torch.isinf(lse_fill))
     empty = torch.isneginf(lse_fill).all(dim=(1, 2))  # [B, splits]: no row saw a key
     assert empty.any() and (~empty).any()
@@ -470,8 +468,8 @@ def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, dtype: torch.dtyp
     full = ~empty
     assert torch.equal(out_p.permute(0, 3, 1, 2, 4)[full], out_fill.permute(0, 3, 1, 2, 4)[full])
     assert torch.equal(lse_p, lse_fill)
-    out, lse = kernels.combine(out_p, lse_p, dtype)
-    out_ref, lse_ref = kernels.combine(out_fill, lse_fill, dtype)
+    out, lse = runtime.combine(out_p, lse_p, dtype)
+    out_ref, lse_ref = runtime.combine(out_fill, lse_fill, dtype)
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())

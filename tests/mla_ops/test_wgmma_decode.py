@@ -1,4 +1,4 @@
-"""The Gluon wgmma decode kernel (``mla_ops/wgmma_decode.py``).
+"""The Hopper decode kernel (``mla_ops/hopper``).
 
 It has no interpreter mode, so its results are checked on a Hopper GPU only (against the float64
 reference, output and LSE, empty sequences, S_q > 1, odd heads, balanced splits, a bad page id, a
@@ -16,37 +16,42 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mla_compile.mla_ops import device as device_facts
+from mla_compile.mla_ops import planner, reference, runtime, splits, tiling, triton_kernels  # noqa: F401
 from tests.conftest import HAS_CUDA, triton_available
 from tests.mla_ops.cases import TRIGGER_AFTER_LOOP, assert_matches, make_case, offline_compile
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 
+try:
+    from mla_compile.mla_ops import hopper
+    from mla_compile.mla_ops.hopper import float8 as hopper_float8
+    from mla_compile.mla_ops.hopper import host as hopper_host
+    from mla_compile.mla_ops.hopper import layouts as hopper_layouts
+except ImportError:  # a Triton without Gluon's Hopper module: the tests below skip
+    hopper = hopper_float8 = hopper_host = hopper_layouts = None
+
+
 def _gluon_available() -> bool:
-    try:
-        from mla_compile.mla_ops import wgmma_decode  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return hopper is not None
 
 
 def _on_hopper() -> bool:
     if not HAS_CUDA:
         return False
-    from mla_compile.mla_ops import triton_kernels
-
-    return triton_kernels.has_wgmma(torch.device("cuda", 0))
+    return device_facts.has_wgmma(torch.device("cuda", 0))
 
 
 requires_hopper = pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (sm_90)")
 
 
-def run(kernels, case):
-    out_p, lse_p = kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
+def run(kernels, case, options=planner.DEFAULT_OPTIONS):
+    out_p, lse_p = runtime.decode(*case.op_args(), options=options)
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
     loads = "tma" if case.kv_c.shape[1] % 64 == 0 else "gather"
-    assert kernels.LAST_LAUNCH["wgmma_loads"] == loads, case.describe()
-    return kernels.combine(out_p, lse_p, case.q.dtype)
+    assert runtime.LAST_LAUNCH["wgmma_loads"] == loads, case.describe()
+    return runtime.combine(out_p, lse_p, case.q.dtype)
 
 
 @requires_hopper
@@ -79,7 +84,7 @@ def test_random_problems(kernels, seed: int, dtype: torch.dtype) -> None:
 FP8 = torch.float8_e4m3fn
 
 
-# A float8 cache multiplied in float8 (``wgmma_decode.default_float8_products``: the query as
+# A float8 cache multiplied in float8 (``tiling.default_float8_products``: the query as
 # two e4m3 terms, P in e4m3) against float64 attention over the dequantised cache: P's rounding
 # (e4m3 keeps 4 significant bits) moves each output by up to a few hundredths; the scores keep
 # about bf16's precision, so the LSE stays close (NOTES.md item 57).
@@ -90,7 +95,7 @@ FLOAT8_PRODUCTS_LSE_TOLERANCE = 2e-3
 def assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, dtype, context: str) -> None:
     """``assert_matches`` against the dequantised cache's reference, at the float8 products'
     tolerance where the last launch multiplied in float8."""
-    products = kernels.LAST_LAUNCH.get("wgmma_float8_products", False)
+    products = runtime.LAST_LAUNCH.get("wgmma_float8_products", False)
     assert_matches(
         out, lse, ref_out, ref_lse, dtype, f"{context} float8_products={products}",
         FLOAT8_PRODUCTS_TOLERANCE if products else None,
@@ -168,13 +173,13 @@ def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
         870 + seed, dtype, s_q=s_q, heads=heads, dims=dims, page_size=page_size,
         max_len=rng.choice([70, 700, 3000]), total_splits=rng.choice([None, 8]),
     )  # fmt: skip
-    kernels.LAST_LAUNCH.clear()
-    out_p, lse_p = kernels.decode(*case.op_args())
-    out, lse = kernels.combine(out_p, lse_p, dtype)
+    runtime.LAST_LAUNCH.clear()
+    out_p, lse_p = runtime.decode(*case.op_args())
+    out, lse = runtime.combine(out_p, lse_p, dtype)
     takes = dims[1] == 64
     products = takes and heads * s_q <= 16 and dims[0] == 512 and page_size % 64 == 0
-    assert (kernels.LAST_LAUNCH["decode_path"] == "wgmma") == takes, case.describe()
-    assert kernels.LAST_LAUNCH.get("wgmma_float8_products", False) == products, case.describe()
+    assert (runtime.LAST_LAUNCH["decode_path"] == "wgmma") == takes, case.describe()
+    assert runtime.LAST_LAUNCH.get("wgmma_float8_products", False) == products, case.describe()
     ref_out, ref_lse = case.reference()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, dtype, case.describe())
 
@@ -208,8 +213,8 @@ def test_fp8_whole_cache_converted(
         lengths=[1000, 0, 70, 130], causal=s_q > 1, total_splits=6, num_splits=3,
     )  # fmt: skip
     out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
-    assert not kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma", case.describe()
+    assert not runtime.LAST_LAUNCH["wgmma_float8_products"], case.describe()
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
 
@@ -282,9 +287,9 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
     ref_out, ref_lse = case.reference()
     _poison_hidden_paged(case)
     out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] == ("one scorer" in shape), shape
-    assert not kernels.LAST_LAUNCH["wgmma_rows_on_m"]
-    products = kernels.LAST_LAUNCH["wgmma_float8_products"]
+    assert runtime.LAST_LAUNCH["wgmma_one_scorer"] == ("one scorer" in shape), shape
+    assert not runtime.LAST_LAUNCH["wgmma_rows_on_m"]
+    products = runtime.LAST_LAUNCH["wgmma_float8_products"]
     assert products == shape.startswith("float8 products"), shape
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
@@ -300,9 +305,9 @@ def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -
         s_q=1, lengths=[900, 0, 64, 333], causal=True, pair=False,
     )  # fmt: skip
     out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
+    assert runtime.LAST_LAUNCH["wgmma_one_scorer"] is True
     # The query stays in shared memory: its register split is DeepSeek's row's (L = 512).
-    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is False
+    assert runtime.LAST_LAUNCH["wgmma_query_in_registers"] is False
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
@@ -316,13 +321,13 @@ def test_attention_mask_merged_in_the_kernel(kernels, heads: int) -> None:
     case = make_case(
         1320 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64),
         heads=heads, s_q=1, lengths=[900, 64, 0], causal=True, mask="float", pair=False,
-        num_splits=kernels.MERGE_MAX_SPLITS, total_splits=4,
+        num_splits=tiling.MERGE_MAX_SPLITS, total_splits=4,
     )  # fmt: skip
     ref_out, ref_lse = case.reference()
     _poison_hidden_paged(case)
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    out, lse = runtime.attention(*case.op_args())
+    assert runtime.LAST_LAUNCH["merge"].startswith("decode kernel"), runtime.LAST_LAUNCH["merge"]
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma"
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
 
@@ -330,9 +335,8 @@ def test_mask_hidden_threshold_matches_the_reference() -> None:
     """The wgmma kernel's ``MASK_HIDDEN`` is the reference's (the module keeps its own copy)."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_compile.mla_ops import reference, wgmma_decode
 
-    assert wgmma_decode.MASK_HIDDEN.value == reference.MASK_HIDDEN
+    assert hopper.MASK_HIDDEN.value == reference.MASK_HIDDEN
 
 
 @requires_hopper
@@ -352,8 +356,8 @@ def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, layout: s
     case.q = case.q * (query_max / case.q.abs().max().item())
     case.softmax_scale /= query_max  # keep the scores' spread
     out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
-    assert kernels.LAST_LAUNCH["wgmma_float8_products"] == (layout == "whole")
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma"
+    assert runtime.LAST_LAUNCH["wgmma_float8_products"] == (layout == "whole")
     ref_out, ref_lse = case.reference()
     assert torch.isfinite(out[:2]).all()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
@@ -373,7 +377,6 @@ def test_float8_products_error_against_bf16_is_the_caches(
     2-token sequence, where P's rounding weighs more; with the query as one e4m3 term a8's error
     was a third larger; NOTES.md items 56-57). Odd heads, S_q = 2 (causal), splits, partial last
     tiles, stale rows (NaN)."""
-    from mla_compile.mla_ops import wgmma_decode
 
     case = make_case(
         910 + seed, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64),
@@ -390,16 +393,15 @@ def test_float8_products_error_against_bf16_is_the_caches(
         return float((out64 - ref_out).norm() / ref_out.norm())
 
     out_products, _ = run(kernels, case8)
-    assert kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
+    assert runtime.LAST_LAUNCH["wgmma_float8_products"], case.describe()
     # The whole row in float8 under one scale (k_pe quantised too).
     row8 = (torch.cat([case.kv_c, case.k_pe], -1).float() / scale).to(FP8)
     kv_c8e, k_pe8e = row8[..., :512], row8[..., 512:]
     case8e = replace(case, kv_c=kv_c8e, k_pe=k_pe8e, kv_cache=row8, kv_scale=scale)
     out_whole, _ = run(kernels, case8e)
-    assert kernels.LAST_LAUNCH["wgmma_float8_products"], case.describe()
-    monkeypatch.setattr(wgmma_decode, "default_float8_products", lambda *a: False)
-    out_f16, _ = run(kernels, case8)
-    assert not kernels.LAST_LAUNCH["wgmma_float8_products"]
+    assert runtime.LAST_LAUNCH["wgmma_float8_products"], case.describe()
+    out_f16, _ = run(kernels, case8, planner.DecodeOptions(float8_products=False))
+    assert not runtime.LAST_LAUNCH["wgmma_float8_products"]
     err_products, err_f16 = rel_err(out_products), rel_err(out_f16)
     err_whole = rel_err(out_whole)
     assert err_products < 0.05 and err_products <= 1.25 * err_f16, (
@@ -452,17 +454,17 @@ def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, page_size: int) -
         43, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
         heads=16, s_q=1, lengths=[1000, 0, 300], num_splits=4, total_splits=4,
     )  # fmt: skip
-    out_fill, lse_fill = kernels.decode(*case.op_args(), fill_empty=True)
-    out_p, lse_p = kernels.decode(*case.op_args(), fill_empty=False)
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    out_fill, lse_fill = runtime.decode(*case.op_args(), fill_empty=True)
+    out_p, lse_p = runtime.decode(*case.op_args(), fill_empty=False)
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma"
     assert torch.equal(lse_p, lse_fill)
     empty = torch.isneginf(lse_fill).all(dim=(1, 2))  # [B, splits]
     assert empty.any() and (~empty).any()
     by_split_p, by_split_fill = out_p.permute(0, 3, 1, 2, 4), out_fill.permute(0, 3, 1, 2, 4)
     assert torch.isnan(by_split_p[empty]).all() and (by_split_fill[empty] == 0).all()
     assert torch.equal(by_split_p[~empty], by_split_fill[~empty])
-    out, lse = kernels.combine(out_p, lse_p, torch.bfloat16)
-    out_ref, lse_ref = kernels.combine(out_fill, lse_fill, torch.bfloat16)
+    out, lse = runtime.combine(out_p, lse_p, torch.bfloat16)
+    out_ref, lse_ref = runtime.combine(out_fill, lse_fill, torch.bfloat16)
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
 
 
@@ -474,7 +476,6 @@ def test_producer_partition_matches_math_warps_copying(
     """16-row programs copy through a producer partition (one warp for TMA, a warpgroup for
     gathers): the partials, a bad page's NaN included, are bit-equal to those of the kernel whose
     math warps issue the copies themselves (``producer_warps=0``)."""
-    from mla_compile.mla_ops import wgmma_decode
 
     kw = dict(
         page_size=page_size, dims=(512, 64), heads=16, s_q=1, lengths=[1000, 0, 300, 64, 130],
@@ -485,27 +486,28 @@ def test_producer_partition_matches_math_warps_copying(
     else:
         case = make_case(71, dtype=torch.bfloat16, device="cuda", **kw)
     case.block_table[3, 0] = 10**6  # a bad page id in one sequence
-    out_ws, lse_ws = kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == (1 if page_size % 64 == 0 else 4)
-    monkeypatch.setattr(wgmma_decode, "default_producer_warps", lambda num_warps, gather: 0)
-    out_0, lse_0 = kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
+    out_ws, lse_ws = runtime.decode(*case.op_args())
+    assert runtime.LAST_LAUNCH["wgmma_producer_warps"] == (1 if page_size % 64 == 0 else 4)
+    out_0, lse_0 = runtime.decode(*case.op_args(), options=planner.DecodeOptions(producer_warps=0))
+    assert runtime.LAST_LAUNCH["wgmma_producer_warps"] == 0
     # [B, S_q, H, splits]: the bad page's split only, in its sequence only.
     assert torch.isnan(lse_ws[3, ..., 0]).all() and torch.isnan(lse_ws).sum() == 16
     assert torch.equal(lse_ws.nan_to_num(), lse_0.nan_to_num())
     assert torch.equal(out_ws.nan_to_num(), out_0.nan_to_num())
 
 
-def _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse) -> None:
+def _assert_bad_page_poisons_only_sequence_1(
+    kernels, case, out, lse, options=planner.DEFAULT_OPTIONS
+) -> None:
     """With a bad page id in the second sequence (``case`` is changed): its partials' lse is
     NaN at every row of its first split and nowhere else, and every other sequence's combined
     output and lse equal ``out``/``lse``, the good cache's."""
     _, s_q, heads, _ = case.q.shape
     case.block_table[1, 0] = 10**6
-    out_p, lse_p = kernels.decode(*case.op_args())
+    out_p, lse_p = runtime.decode(*case.op_args(), options=options)
     assert torch.isnan(lse_p[1, ..., 0]).all()
     assert torch.isnan(lse_p).sum() == s_q * heads
-    out_bad, lse_bad = kernels.combine(out_p, lse_p, torch.bfloat16)
+    out_bad, lse_bad = runtime.combine(out_p, lse_p, torch.bfloat16)
     keep = [b for b in range(case.q.shape[0]) if b != 1]
     assert torch.equal(out_bad[keep], out[keep]) and torch.equal(lse_bad[keep], lse[keep])
 
@@ -526,20 +528,18 @@ def test_64_row_programs_either_orientation(
     S_q > 1, a partial last row block (43 heads x 3), copy-engine and gathered tiles, several
     splits; a bad page id makes only its split's rows NaN. (Copy-engine tiles of a 16-bit cache
     otherwise take one-scorer programs: ``test_one_scorer_programs``.)"""
-    from mla_compile.mla_ops import wgmma_decode
 
-    monkeypatch.setattr(wgmma_decode, "default_one_scorer", lambda *args: False)
-    monkeypatch.setattr(wgmma_decode, "default_rows_on_m", lambda *args: rows_on_m)
+    options = planner.DecodeOptions(one_scorer=False, rows_on_m=rows_on_m)
     case = make_case(
         29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
         heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
     )  # fmt: skip
-    out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_rows_on_m"] is rows_on_m
-    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is False
+    out, lse = run(kernels, case, options)
+    assert runtime.LAST_LAUNCH["wgmma_rows_on_m"] is rows_on_m
+    assert runtime.LAST_LAUNCH["wgmma_one_scorer"] is False
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
+    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse, options)
 
 
 @requires_hopper
@@ -558,23 +558,22 @@ def test_one_scorer_programs(
     and match the float64 reference: empty, 1-token and tile-edge lengths, causal S_q > 1, a
     partial last row block (43 heads x 3), several splits, pages of two tiles; a bad page id makes
     only its split's rows NaN; the same bits on a second call. Also with the nope query in
-    warpgroup 0's registers and a ring of three (``wgmma_decode.QUERY_IN_REGISTERS``)."""
-    from mla_compile.mla_ops import wgmma_decode
+    warpgroup 0's registers and a ring of three (``DecodeOptions.query_in_registers``)."""
 
-    monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
+    options = planner.DecodeOptions(query_in_registers=query_in_registers)
     case = make_case(
         29, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64),
         heads=heads, s_q=s_q, lengths=lengths, num_splits=3, causal=s_q > 1,
     )  # fmt: skip
-    out, lse = run(kernels, case)
-    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
-    assert kernels.LAST_LAUNCH["wgmma_producer_warps"] == 0
-    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
+    out, lse = run(kernels, case, options)
+    assert runtime.LAST_LAUNCH["wgmma_one_scorer"] is True
+    assert runtime.LAST_LAUNCH["wgmma_producer_warps"] == 0
+    assert runtime.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    again = run(kernels, case)
+    again = run(kernels, case, options)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse)
+    _assert_bad_page_poisons_only_sequence_1(kernels, case, out, lse, options)
 
 
 @requires_hopper
@@ -583,96 +582,33 @@ def test_one_scorer_merges_in_the_kernel(kernels, monkeypatch, query_in_register
     """``mla::attention`` over one-scorer programs with the in-kernel merge: both output halves
     (warpgroup 1's through shared memory) reach the final rows and the merge's partials; also
     with the query in registers (every output part, the one-chunk rows staged in a ring slot)."""
-    from mla_compile.mla_ops import wgmma_decode
 
-    monkeypatch.setattr(wgmma_decode, "QUERY_IN_REGISTERS", query_in_registers)
-    monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
+    options = planner.DecodeOptions(query_in_registers=query_in_registers, merge_max_splits=4)
     case = make_case(
         61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), heads=128, s_q=2, page_size=64,
         lengths=[130, 0, 900, 64], num_splits=4, causal=True,
     )  # fmt: skip
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
-    assert kernels.LAST_LAUNCH["wgmma_one_scorer"] is True
-    assert kernels.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
+    out, lse = runtime.attention(*case.op_args(), options=options)
+    assert runtime.LAST_LAUNCH["merge"].startswith("decode kernel"), runtime.LAST_LAUNCH["merge"]
+    assert runtime.LAST_LAUNCH["wgmma_one_scorer"] is True
+    assert runtime.LAST_LAUNCH["wgmma_query_in_registers"] is query_in_registers
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    assert not kernels.arrival_counters(case.q.device, 1).any()
-
-
-@requires_hopper
-@pytest.mark.parametrize(("heads", "page_size"), [(16, 64), (16, 1), (128, 64)])
-def test_phase_stamps_are_ordered_and_leave_the_output_alone(
-    kernels, monkeypatch, heads: int, page_size: int
-) -> None:
-    """``launch(stamps=...)`` (the instrument of benchmarks/experiments/phase_stamps.py): every
-    program records its multiprocessor, its split's tile count as ``planner.split_bounds`` cuts
-    it, and global-timer phases in order (entry <= bounds <= exit; query <= first tile <= loop
-    end <= exit; the producer's first copy <= first tile, last copy <= loop end), in 16-row
-    programs with a producer partition (TMA, gathered) and 64-row ones without; the partials are
-    bit-equal to an unstamped launch's. A stamps buffer of the wrong shape is refused."""
-    import functools
-
-    from mla_compile.mla_ops import planner, wgmma_decode
-
-    case = make_case(
-        5, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=heads,
-        s_q=1, lengths=[0, 1, 700, 64, 2000], num_splits=3,
-    )  # fmt: skip
-    out_plain, lse_plain = kernels.decode(*case.op_args())
-    block_m, _ = kernels.wgmma_tiling(heads)
-    row_blocks = -(-heads // block_m)
-    programs = 5 * row_blocks * 3
-    stamps = torch.zeros(programs, wgmma_decode.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(
-        wgmma_decode, "launch", functools.partial(wgmma_decode.launch, stamps=stamps)
-    )
-    out, lse = kernels.decode(*case.op_args())
-    assert torch.equal(out.nan_to_num(), out_plain.nan_to_num())
-    assert torch.equal(lse.nan_to_num(), lse_plain.nan_to_num())
-    f = {name: stamps[:, i].cpu() for i, name in enumerate(wgmma_decode.STAMP_FIELDS)}
-    # Programs run split-major: pid = (split * B + b) * row_blocks + row_block.
-    start, end = planner.split_bounds(case.cache_seqlens.cpu(), 3)
-    tiles = (-(-(end - start).clamp_min(0) // wgmma_decode.BLOCK_N)).T.repeat_interleave(
-        row_blocks, dim=1
-    )
-    assert torch.equal(f["tiles"], tiles.flatten().long())
-    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    assert ((f["sm"] >= 0) & (f["sm"] < n_sm)).all()
-    assert (f["entry"] > 0).all() and (f["entry"] <= f["bounds"]).all()
-    assert (f["bounds"] <= f["exit"]).all()
-    real = f["tiles"] > 0
-    for a, b in [("bounds", "query"), ("query", "first_tile"), ("first_tile", "loop_end"),
-                 ("loop_end", "exit")]:  # fmt: skip
-        assert (f[a][real] <= f[b][real]).all(), (a, b)
-    assert (f["query"][~real] == 0).all()  # an empty split returns before the loop
-    if block_m == 16:  # the producer partition's copies
-        assert (f["first_copy"][real] <= f["first_tile"][real]).all()
-        assert (f["last_copy"][real] <= f["loop_end"][real]).all()
-    else:  # one-scorer programs: each warpgroup stores its own output half after the loop
-        assert (f["first_copy"] == 0).all()
-        for a, b in [("loop_end", "sums_handed"), ("sums_handed", "exit"),
-                     ("assist_end", "assist_stored"), ("assist_stored", "exit")]:  # fmt: skip
-            assert (f[a][real] <= f[b][real]).all(), (a, b)
-            assert (f[a][real] > 0).all(), a
-    with pytest.raises(ValueError, match="stamps: expected int64"):
-        wgmma_decode.launch.func(
-            *_launch_args(kernels, case), gather=page_size % 64 != 0, stamps=stamps[1:]
-        )
+    assert not runtime.arrival_counters(case.q.device, 1).any()
 
 
 def _launch_args(kernels, case) -> tuple:
-    """``wgmma_decode.launch``'s positional arguments for ``case`` with the op's tiling."""
-    from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
+    """``hopper.launch``'s positional arguments for ``case`` with the op's tiling."""
+    from mla_compile.mla_ops.splits import MIN_CHUNK, SPLIT_GRANULE
 
-    block_m, warps = kernels.wgmma_tiling(case.q.shape[1] * case.q.shape[2])
+    block_m, warps = tiling.wgmma_tiling(case.q.shape[1] * case.q.shape[2])
     b, s_q, h, _ = case.q.shape
     out = torch.empty((b, s_q, h, case.num_splits, 512), device="cuda")
     lse = torch.empty((b, s_q, h, case.num_splits), device="cuda")
     return (
         case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse,
         case.softmax_scale, None, case.causal, case.num_splits, None, block_m, warps, 2,
-        MIN_CHUNK, SPLIT_GRANULE, kernels.LENGTHS_PER_STEP,
+        MIN_CHUNK, SPLIT_GRANULE, tiling.LENGTHS_PER_STEP,
     )  # fmt: skip
 
 
@@ -712,51 +648,19 @@ def test_longest_first_matches_split_major(kernels, monkeypatch, kw: dict) -> No
     (``LAST_LAUNCH["wgmma_order"]``), and every partial, the empty splits' zeros and -inf
     included, is bit-equal to the split-major launch's (each chunk computed once, by whichever
     program); output and LSE match the float64 reference."""
-    from mla_compile.mla_ops import wgmma_decode
 
     case = _ragged_case(61, **kw)
-    out_lf, lse_lf = kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_order"] == "longest-first"
-    monkeypatch.setattr(wgmma_decode, "default_longest_first", lambda *args: False)
-    out_sm, lse_sm = kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_order"] == "split-major"
+    out_lf, lse_lf = runtime.decode(*case.op_args())
+    assert runtime.LAST_LAUNCH["wgmma_order"] == "longest-first"
+    out_sm, lse_sm = runtime.decode(
+        *case.op_args(), options=planner.DecodeOptions(longest_first=False)
+    )
+    assert runtime.LAST_LAUNCH["wgmma_order"] == "split-major"
     assert not torch.isnan(lse_lf).any() and not torch.isnan(out_lf).any()
     assert torch.equal(lse_lf, lse_sm) and torch.equal(out_lf, out_sm)
-    out, lse = kernels.combine(out_lf, lse_lf, case.q.dtype)
+    out, lse = runtime.combine(out_lf, lse_lf, case.q.dtype)
     ref_out, ref_lse = case.reference()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-
-
-@requires_hopper
-@pytest.mark.parametrize("equal_lengths", [False, True])
-def test_longest_first_order_is_the_planners(kernels, monkeypatch, equal_lengths: bool) -> None:
-    """The kernel's order, read from the phase stamps' tile counts by program, is
-    ``planner.longest_first_order``'s: with ragged lengths, full chunks, then partial ones by
-    tiles, then empty ones. With equal lengths the counts are split-major's; there the ranked
-    order would give the same counts, so this checks the bounds, not which of the two ran."""
-    import functools
-
-    from mla_compile.mla_ops import planner, wgmma_decode
-
-    case = _ragged_case(62, heads=16, s_q=1, page_size=64)
-    if equal_lengths:
-        case.cache_seqlens.fill_(700)
-    programs = case.q.shape[0] * case.num_splits
-    stamps = torch.zeros(programs, wgmma_decode.STAMP_SLOTS.value, dtype=torch.int64, device="cuda")
-    monkeypatch.setattr(
-        wgmma_decode, "launch", functools.partial(wgmma_decode.launch, stamps=stamps)
-    )
-    kernels.decode(*case.op_args())
-    assert kernels.LAST_LAUNCH["wgmma_order"] == "longest-first"
-    lengths = case.cache_seqlens.cpu()
-    order = planner.longest_first_order(lengths, case.num_splits, case.total_splits)
-    start, end = planner.split_bounds(lengths, case.num_splits, case.total_splits)
-    tiles = (end - start).clamp_min(0)[order[:, 0], order[:, 1]]
-    tiles = (tiles + wgmma_decode.BLOCK_N - 1) // wgmma_decode.BLOCK_N
-    stamped = stamps[:, wgmma_decode.STAMP_FIELDS.index("tiles")].cpu()
-    assert torch.equal(stamped, tiles.long())
-    if not equal_lengths:
-        assert not torch.equal(order[:, 1], torch.arange(programs) // case.q.shape[0])
 
 
 def test_longest_first_default() -> None:
@@ -764,21 +668,20 @@ def test_longest_first_default() -> None:
     ``LONGEST_FIRST_MAX_SPLITS`` splits (the kernel packs a split in 7 bits), except in programs
     with the rows on M; ``launch`` refuses it where the kernel cannot rank."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_compile.mla_ops import triton_kernels, wgmma_decode
 
-    step = triton_kernels.LENGTHS_PER_STEP
-    most = wgmma_decode.LONGEST_FIRST_MAX_SPLITS.value
-    assert wgmma_decode.default_longest_first(64, 4, 128, step, rows_on_m=False)
-    assert wgmma_decode.default_longest_first(step, most, 1, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(step + 1, 4, 128, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(64, most + 1, 128, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(64, 4, None, step, rows_on_m=False)
-    assert not wgmma_decode.default_longest_first(64, 4, 128, step, rows_on_m=True)
+    step = tiling.LENGTHS_PER_STEP
+    most = hopper.LONGEST_FIRST_MAX_SPLITS.value
+    assert tiling.default_longest_first(64, 4, 128, step, rows_on_m=False)
+    assert tiling.default_longest_first(step, most, 1, step, rows_on_m=False)
+    assert not tiling.default_longest_first(step + 1, 4, 128, step, rows_on_m=False)
+    assert not tiling.default_longest_first(64, most + 1, 128, step, rows_on_m=False)
+    assert not tiling.default_longest_first(64, 4, None, step, rows_on_m=False)
+    assert not tiling.default_longest_first(64, 4, 128, step, rows_on_m=True)
     q = torch.zeros(2, 1, 16, 576)
     args = (q, q[..., :512], q[..., 512:], torch.ones(2, dtype=torch.int32), None, None, None)
     for num_splits, total_splits in [(2, None), (most + 1, 4)]:
         with pytest.raises(ValueError, match="longest_first needs a balanced plan"):
-            wgmma_decode.launch(
+            hopper.launch(
                 *args, 1.0, None, False, num_splits, total_splits, 16, 4, 2, 256, 64, step,
                 longest_first=True,
             )  # fmt: skip
@@ -803,33 +706,34 @@ MERGE_CASES = [
 @pytest.mark.parametrize("float8", [False, True])
 @pytest.mark.parametrize("kw", MERGE_CASES, ids=lambda kw: f"h{kw['heads']}xs{kw['s_q']}")
 def test_attention_merges_in_the_kernel(kernels, monkeypatch, kw: dict, float8: bool) -> None:
-    """``mla::attention`` with at most ``MERGE_MAX_SPLITS`` splits (raised to 4 here, so that
-    sequences in up to four chunks are merged): the wgmma kernel writes the output itself (no
+    """``mla::attention`` with at most ``DecodeOptions.merge_max_splits`` splits (raised to 4
+    here, so that sequences in up to four chunks are merged): the wgmma kernel writes the output
+    itself (no
     combine kernel) into a NaN-poisoned allocation, matching the float64 reference; sequences in
     one chunk (or none) bit-equal to decode + combine, the others within rounding of it; the same
     bits on a second call; the arrival counters zero after each call."""
-    monkeypatch.setattr(kernels, "MERGE_MAX_SPLITS", 4)
+    options = planner.DecodeOptions(merge_max_splits=4)
     if float8:
         case = _fp8_pair_case(61, torch.bfloat16, dims=(512, 64), **kw)
     else:
         case = make_case(61, dtype=torch.bfloat16, device="cuda", dims=(512, 64), **kw)
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel"), kernels.LAST_LAUNCH["merge"]
-    assert kernels.LAST_LAUNCH["decode_path"] == "wgmma"
+    out, lse = runtime.attention(*case.op_args(), options=options)
+    assert runtime.LAST_LAUNCH["merge"].startswith("decode kernel"), runtime.LAST_LAUNCH["merge"]
+    assert runtime.LAST_LAUNCH["decode_path"] == "wgmma"
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     ref_out, ref_lse = case.reference()
     assert_fp8_matches(kernels, out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
-    out_p, lse_p = kernels.decode(*case.op_args())
-    out_c, lse_c = kernels.combine(out_p, lse_p, torch.bfloat16)
+    out_p, lse_p = runtime.decode(*case.op_args())
+    out_c, lse_c = runtime.combine(out_p, lse_p, torch.bfloat16)
     chunks = (~torch.isneginf(lse_p)).any(dim=(1, 2)).sum(dim=-1)  # [B] chunks per sequence
     assert (chunks > 1).any(), "the case must exercise the merge"
     whole = chunks <= 1
     assert torch.equal(out[whole], out_c[whole]) and torch.equal(lse[whole], lse_c[whole])
     torch.testing.assert_close(out, out_c, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, lse_c, atol=1e-5, rtol=1e-5)
-    again = kernels.attention(*case.op_args())
+    again = runtime.attention(*case.op_args(), options=options)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
-    assert not kernels.arrival_counters(case.q.device, 1).any()  # the stream's whole buffer
+    assert not runtime.arrival_counters(case.q.device, 1).any()  # the stream's whole buffer
 
 
 @requires_hopper
@@ -839,17 +743,17 @@ def test_attention_bad_page_poisons_only_its_sequence(kernels, page_size: int) -
     are NaN in the merged output, the other sequences are untouched, counters back to zero."""
     case = make_case(
         62, dtype=torch.bfloat16, device="cuda", page_size=page_size, dims=(512, 64), heads=16,
-        s_q=1, lengths=[200, 700, 500, 0], num_splits=kernels.MERGE_MAX_SPLITS,
+        s_q=1, lengths=[200, 700, 500, 0], num_splits=tiling.MERGE_MAX_SPLITS,
     )  # fmt: skip
     ref_out, ref_lse = case.reference()
     case.block_table[0, 130 // page_size] = case.kv_c.shape[0] + 1
     case.block_table[1, 600 // page_size] = case.kv_c.shape[0] + 5
-    out, lse = kernels.attention(*case.op_args())
-    assert kernels.LAST_LAUNCH["merge"].startswith("decode kernel")
+    out, lse = runtime.attention(*case.op_args())
+    assert runtime.LAST_LAUNCH["merge"].startswith("decode kernel")
     assert torch.isnan(out[:2]).all() and torch.isnan(lse[:2]).all()
     assert not torch.isnan(out[2:]).any()
     assert_matches(out[2:], lse[2:], ref_out[2:], ref_lse[2:], torch.bfloat16, case.describe())
-    assert not kernels.arrival_counters(case.q.device, 1).any()  # the stream's whole buffer
+    assert not runtime.arrival_counters(case.q.device, 1).any()  # the stream's whole buffer
 
 
 @requires_hopper
@@ -858,11 +762,11 @@ def test_attention_over_merge_max_splits_uses_the_combine(kernels) -> None:
     ``LAST_LAUNCH["merge"]`` says why."""
     case = make_case(
         63, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
-        lengths=[3000, 5], num_splits=kernels.MERGE_MAX_SPLITS + 1,
+        lengths=[3000, 5], num_splits=tiling.MERGE_MAX_SPLITS + 1,
     )  # fmt: skip
-    out, lse = kernels.attention(*case.op_args())
-    most = kernels.MERGE_MAX_SPLITS
-    assert kernels.LAST_LAUNCH["merge"].startswith(f"mla::combine: num_splits={most + 1} > {most}")
+    out, lse = runtime.attention(*case.op_args())
+    most = tiling.MERGE_MAX_SPLITS
+    assert runtime.LAST_LAUNCH["merge"].startswith(f"mla::combine: num_splits={most + 1} > {most}")
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, case.describe())
 
@@ -872,7 +776,6 @@ def test_merged_attention_in_a_cuda_graph_matches_eager() -> None:
     """``mla_decode`` with a merging plan captured in a CUDA graph (its arrival counters zeroed by
     the graph itself): replays on new inputs equal eager calls bit for bit."""
     from mla_compile import mla_ops
-    from mla_compile.mla_ops import triton_kernels
 
     case = make_case(
         64, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=128, s_q=1,
@@ -887,7 +790,7 @@ def test_merged_attention_in_a_cuda_graph_matches_eager() -> None:
         )  # fmt: skip
 
     call()  # compile outside the capture
-    assert triton_kernels.LAST_LAUNCH["merge"].startswith("decode kernel")
+    assert runtime.LAST_LAUNCH["merge"].startswith("decode kernel")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_graph, lse_graph = call()
@@ -904,12 +807,11 @@ def test_rows_on_m_default() -> None:
     """The rows go on the MMA's M side exactly for 64-row programs of two warpgroups over a 16-bit
     cache (a float8 cache keeps the transposed loop and its single conversion per tile)."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_compile.mla_ops import wgmma_decode
 
-    assert wgmma_decode.default_rows_on_m(64, 8, float8=False)
-    assert not wgmma_decode.default_rows_on_m(64, 8, float8=True)
-    assert not wgmma_decode.default_rows_on_m(32, 8, float8=False)
-    assert not wgmma_decode.default_rows_on_m(16, 4, float8=False)
+    assert tiling.default_rows_on_m(64, 8, float8=False)
+    assert not tiling.default_rows_on_m(64, 8, float8=True)
+    assert not tiling.default_rows_on_m(32, 8, float8=False)
+    assert not tiling.default_rows_on_m(16, 4, float8=False)
 
 
 def test_one_scorer_default() -> None:
@@ -917,13 +819,12 @@ def test_one_scorer_default() -> None:
     gathered tiles keep the rows-on-M loop, a float8 cache the transposed one, fewer rows their
     own tiling."""
     pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
-    from mla_compile.mla_ops import wgmma_decode
 
-    assert wgmma_decode.default_one_scorer(64, float8=False, gather=False)
-    assert not wgmma_decode.default_one_scorer(64, float8=False, gather=True)
-    assert not wgmma_decode.default_one_scorer(64, float8=True, gather=False)
-    assert not wgmma_decode.default_one_scorer(32, float8=False, gather=False)
-    assert not wgmma_decode.default_one_scorer(16, float8=False, gather=False)
+    assert tiling.default_one_scorer(64, float8=False, gather=False)
+    assert not tiling.default_one_scorer(64, float8=False, gather=True)
+    assert not tiling.default_one_scorer(64, float8=True, gather=False)
+    assert not tiling.default_one_scorer(32, float8=False, gather=False)
+    assert not tiling.default_one_scorer(16, float8=False, gather=False)
 
 
 @requires_hopper
@@ -931,9 +832,11 @@ def test_config_can_turn_wgmma_off(kernels) -> None:
     case = make_case(
         5, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1
     )
-    config = kernels.default_config(16, 512)
-    kernels.decode(*case.op_args(), config=replace(config, use_wgmma=False))
-    assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
+    config = tiling.triton_tiling(16, 512)
+    runtime.decode(
+        *case.op_args(), options=planner.DecodeOptions(triton_tiling=config, use_wgmma=False)
+    )
+    assert runtime.LAST_LAUNCH["decode_path"] in ("tma", "gather")
 
 
 @requires_hopper
@@ -941,11 +844,13 @@ def test_fp8_in_f16_off_runs_the_triton_kernel(kernels) -> None:
     """``DecodeConfig(fp8_in_f16=False)`` asks for bf16 dots, which the wgmma kernel does not do:
     the Triton kernel runs, and ``use_wgmma=True`` with it is an error that says why."""
     case = _fp8_pair_case(851, torch.bfloat16, page_size=64, dims=(512, 64), heads=16, s_q=1)
-    config = replace(kernels.default_config(16, 512, float8_cache=True), fp8_in_f16=False)
-    kernels.decode(*case.op_args(), config=config)
-    assert kernels.LAST_LAUNCH["decode_path"] in ("tma", "gather")
+    config = replace(tiling.triton_tiling(16, 512, float8_cache=True), fp8_in_f16=False)
+    runtime.decode(*case.op_args(), options=planner.DecodeOptions(triton_tiling=config))
+    assert runtime.LAST_LAUNCH["decode_path"] in ("tma", "gather")
     with pytest.raises(ValueError, match="fp8_in_f16=False"):
-        kernels.decode(*case.op_args(), config=replace(config, use_wgmma=True))
+        runtime.decode(
+            *case.op_args(), options=planner.DecodeOptions(triton_tiling=config, use_wgmma=True)
+        )
 
 
 def _meta_call(
@@ -985,47 +890,44 @@ def _meta_call(
     ],
 )
 def test_plan_path_says_why(monkeypatch, change, reason) -> None:
-    from mla_compile.mla_ops import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_wgmma", lambda device: True)
     q, kv_c, k_pe, table = _meta_call(**change)
-    ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, None)
+    ok, why = tiling.wgmma_support(q, kv_c, k_pe, table, None)
     assert ok == (reason is None), why
     if reason is not None:
         assert reason in why
     if reason is None:
-        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, None, None)
+        ok, why = tiling.wgmma_support(q, kv_c, k_pe, None, None)
         assert not ok and "not paged" in why
         # An attn_mask is read by the transposed and one-scorer loops (NOTES.md items 63-64).
         mask = torch.empty(2, 1, 320, device="meta")
-        ok, why = triton_kernels.wgmma_plan_path(q, kv_c, k_pe, table, mask)
+        ok, why = tiling.wgmma_support(q, kv_c, k_pe, table, mask)
         assert ok and why.endswith("a torch.float32 attn_mask"), why
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 def test_plan_path_checks_shared_memory(monkeypatch) -> None:
     """64-row programs need about 226 KB: a GPU that allows less runs the Triton kernel."""
-    from mla_compile.mla_ops import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
-    monkeypatch.setattr(triton_kernels, "shared_memory_optin", lambda device: 200_000)
-    ok, why = triton_kernels.wgmma_plan_path(*_meta_call(heads=128), None)
+    monkeypatch.setattr(device_facts, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(device_facts, "shared_memory_optin", lambda device: 200_000)
+    ok, why = tiling.wgmma_support(*_meta_call(heads=128), None)
     assert not ok and "64-row programs need 231424 bytes of shared memory" in why, why
-    assert triton_kernels.wgmma_plan_path(*_meta_call(heads=16), None)[0]
+    assert tiling.wgmma_support(*_meta_call(heads=16), None)[0]
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 def test_loads_say_how_and_why(monkeypatch) -> None:
     """Pages of whole 64-token tiles go to the copy engine; other page sizes are gathered by
     cp.async when their rows are contiguous 16-byte units; otherwise neither, with the reasons."""
-    from mla_compile.mla_ops import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: True)
     table = torch.zeros(2, 4, dtype=torch.int32)
 
     def loads(page: int, row: int = 576, dtype=torch.bfloat16):
         cache = torch.zeros(8, page, row, dtype=dtype)
-        return triton_kernels.wgmma_loads(cache[..., :512], cache[..., 512:576], table)
+        return tiling.wgmma_loads(cache[..., :512], cache[..., 512:576], table)
 
     assert loads(64)[0] == "tma"
     assert loads(1)[0] == "gather" and "page_size 1 is not a multiple" in loads(1)[1]
@@ -1040,24 +942,22 @@ def test_float8_k_pe_takes_the_wgmma_kernel_at_width_64(monkeypatch) -> None:
     """A whole-float8 cache takes the wgmma kernel in whole 64-token pages (copy-engine tiles) and
     gathered row by row (page size 1) alike (NOTES.md item 62); at a RoPE width of 32 it does
     not, and ``wgmma_path`` says why."""
-    from mla_compile.mla_ops import triton_kernels
 
-    monkeypatch.setattr(triton_kernels, "has_wgmma", lambda device: True)
-    monkeypatch.setattr(triton_kernels, "has_copy_engine", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: True)
     table = torch.zeros(2, 4, dtype=torch.int32)
     for rope, page, how in ((64, 64, "tma"), (64, 1, "gather"), (32, 64, None)):
         q = torch.zeros(2, 1, 16, 512 + rope, dtype=torch.bfloat16)
         cache = torch.zeros(8, page, 512 + rope, dtype=FP8)
-        loads, why = triton_kernels.wgmma_path(q, cache[..., :512], cache[..., 512:], table, None)
+        loads, why = tiling.wgmma_path(q, cache[..., :512], cache[..., 512:], table, None)
         assert loads == how, why
     assert "k_pe is read by the wgmma kernel at a width of 64; got k_pe width 32" in why, why
-    assert triton_kernels.wgmma_loads(*[torch.zeros(8, 1, 64)] * 2, None)[0] is None
+    assert tiling.wgmma_loads(*[torch.zeros(8, 1, 64)] * 2, None)[0] is None
 
 
 def test_no_wgmma_off_hopper() -> None:
-    from mla_compile.mla_ops import triton_kernels
 
-    assert not triton_kernels.has_wgmma(torch.device("cpu"))
+    assert not device_facts.has_wgmma(torch.device("cpu"))
 
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
@@ -1092,9 +992,8 @@ def test_compiles_to_wgmma_for_sm90(
     release-acquire arrival, partials read past L1. One ``griddepcontrol.launch_dependents``,
     after the loop's last product (the combine launched at the programs' entries made the
     benchmark's calls that run it, (b)-(e), 0.5-1.2 us slower on an H200: NOTES.md item 84)."""
-    from mla_compile.mla_ops import triton_kernels, wgmma_decode
 
-    block_m, warps = triton_kernels.wgmma_tiling(rows)
+    block_m, warps = tiling.wgmma_tiling(rows)
     gather = page_size % 64 != 0
     res = offline_compile(
         f"k = oc.compile_wgmma({block_m}, {stages}, warps={warps}, kv_dtype={kv_dtype!r}, "
@@ -1118,17 +1017,17 @@ def test_compiles_to_wgmma_for_sm90(
     assert res["spill_bytes"] < 256, res
     assert res["shared_bytes"] <= 232448, res
     float8 = kv_dtype is not None
-    bound = triton_kernels.wgmma_shared_memory(block_m, 512, 64, stages, float8)
+    bound = tiling.wgmma_shared_memory(block_m, 512, 64, stages, float8)
     assert res["shared_bytes"] <= bound, res
     # 16-row programs of width 512 multiply a float8 tile in float8: nothing converted.
-    products = wgmma_decode.default_float8_products(block_m, 512, float8, gather)
+    products = tiling.default_float8_products(block_m, 512, float8, gather)
     assert (res["cvt_e4m3"] > 0) == (float8 and not products), res
     # Rows on M (64 rows, 16-bit cache, unless turned off): P.V is one m64n256k16 chain per
     # warpgroup; the transposed loop's P.V has N = BLOCK_M.
     on_m = rows == 64 and not float8 and rows_on_m is not False
     assert (res["m64n256"] > 0) == on_m, res
     if float8:
-        assert triton_kernels.wgmma_stages(block_m, 512, 64, True, 232448) == stages
+        assert tiling.wgmma_stages(block_m, 512, 64, True, 232448) == stages
     if float8 and not products:
         # The tile converted in two branches (NOTES.md item 37): a split's last tile zeroes its
         # stale rows with a select, every other tile converts without one (a select shared by
@@ -1156,7 +1055,6 @@ def test_masked_builds_compile(
     warpgroup 1 prepares at S_q = 1, reads a row per query position otherwise): wgmma, no
     mma.sync, at most a few spilled
     scalars, shared memory within an SM and within ``wgmma_shared_memory``'s bound."""
-    from mla_compile.mla_ops import triton_kernels
 
     gather = page_size % 64 != 0
     res = offline_compile(
@@ -1166,7 +1064,7 @@ def test_masked_builds_compile(
     )
     assert res["wgmma"] > 0 and res["mma.sync"] == 0, res
     assert res["spill_bytes"] < 256, res
-    bound = triton_kernels.wgmma_shared_memory(rows, 512, 64, 2, kv_dtype is not None)
+    bound = tiling.wgmma_shared_memory(rows, 512, 64, 2, kv_dtype is not None)
     assert res["shared_bytes"] <= min(bound, 232448), res
 
 
@@ -1232,20 +1130,19 @@ def test_float8_products_choice_and_its_checks() -> None:
     only; ``launch(float8_products=True)`` elsewhere is refused, naming what it expected."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_compile.mla_ops import wgmma_decode
 
-    assert wgmma_decode.default_float8_products(16, 512, True, False)
-    assert not wgmma_decode.default_float8_products(16, 512, False, False)  # 16-bit cache
-    assert not wgmma_decode.default_float8_products(32, 512, True, False)  # two warpgroups
-    assert not wgmma_decode.default_float8_products(16, 256, True, False)  # another width
-    assert not wgmma_decode.default_float8_products(16, 512, True, True)  # gathered tiles
+    assert tiling.default_float8_products(16, 512, True, False)
+    assert not tiling.default_float8_products(16, 512, False, False)  # 16-bit cache
+    assert not tiling.default_float8_products(32, 512, True, False)  # two warpgroups
+    assert not tiling.default_float8_products(16, 256, True, False)  # another width
+    assert not tiling.default_float8_products(16, 512, True, True)  # gathered tiles
     case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(256, 64), heads=16, s_q=1,
                      pair=True, lengths=[64])  # fmt: skip
     kv_c = case.kv_c.to(FP8)
     out = torch.empty(1, 1, 16, 1, 256)
     lse = torch.empty(1, 1, 16, 1)
     with pytest.raises(ValueError, match="float8_products: expected a float8_e4m3fn kv_c of width"):
-        wgmma_decode.launch(
+        hopper.launch(
             case.q, kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse, 0.1, 1.0,
             False, 1, None, block_m=16, num_warps=4, num_stages=2, min_chunk=256, granule=64,
             lengths_per_step=128, float8_products=True,
@@ -1255,7 +1152,7 @@ def test_float8_products_choice_and_its_checks() -> None:
                      pair=True, lengths=[64])  # fmt: skip
     out = torch.empty(1, 1, 16, 1, 512)
     with pytest.raises(ValueError, match="a float8_e4m3fn k_pe is read with a float8_e4m3fn kv_c"):
-        wgmma_decode.launch(
+        hopper.launch(
             case.q, case.kv_c, case.k_pe.to(FP8), case.cache_seqlens, case.block_table, out,
             lse, 0.1, 1.0, False, 1, None, block_m=16, num_warps=4, num_stages=2,
             min_chunk=256, granule=64, lengths_per_step=128, float8_products=False,
@@ -1265,29 +1162,23 @@ def test_float8_products_choice_and_its_checks() -> None:
 def test_query_in_registers_choice_and_its_checks() -> None:
     """``default_query_in_registers``: one-scorer programs over DeepSeek's row (L = 512, R = 64)
     without a mask only; ``launch(query_in_registers=True)`` elsewhere is refused, naming what it
-    expected; ``QUERY_IN_REGISTERS = False`` turns the choice off."""
+    expected; ``DecodeOptions(query_in_registers=False)`` turns the choice off."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_compile.mla_ops import wgmma_decode
 
-    choice = wgmma_decode.default_query_in_registers
+    choice = tiling.default_query_in_registers
     assert choice(True, 512, 64, False)
     assert not choice(False, 512, 64, False)  # not a one-scorer program
     assert not choice(True, 256, 64, False)  # the 64 + 448 column split is L = 512's
     assert not choice(True, 512, 32, False)  # P fits a k_pe slot of 64 columns only
     assert not choice(True, 512, 64, True)  # masked calls keep the two-slot loop
-    original = wgmma_decode.QUERY_IN_REGISTERS
-    try:
-        wgmma_decode.QUERY_IN_REGISTERS = False
-        assert not choice(True, 512, 64, False)
-    finally:
-        wgmma_decode.QUERY_IN_REGISTERS = original
+    assert not choice(True, 512, 64, False, allowed=False)
     case = make_case(5, dtype=torch.bfloat16, page_size=64, dims=(256, 64), heads=64, s_q=1,
                      pair=True, lengths=[64])  # fmt: skip
     out = torch.empty(1, 1, 64, 1, 256)
     lse = torch.empty(1, 1, 64, 1)
     with pytest.raises(ValueError, match="query_in_registers: expected one_scorer over a kv_c"):
-        wgmma_decode.launch(
+        hopper.launch(
             case.q, case.kv_c, case.k_pe, case.cache_seqlens, case.block_table, out, lse, 0.1,
             None, False, 1, None, block_m=64, num_warps=4, num_stages=2, min_chunk=256,
             granule=64, lengths_per_step=128, one_scorer=True, query_in_registers=True,
@@ -1303,10 +1194,11 @@ def test_float8_products_view_of_the_ring_slot() -> None:
     and column once."""
     if not _gluon_available():
         pytest.skip("Triton without Gluon's Hopper module")
-    from mla_compile.mla_ops import wgmma_decode
+    from mla_compile.mla_ops.hopper import float8 as hopper_float8
+    from mla_compile.mla_ops.hopper import layouts as hopper_layouts
 
-    bases = wgmma_decode._VT_OFFSET_BASES.value
-    column_of = wgmma_decode._latent_column.fn
+    bases = hopper_layouts._VT_OFFSET_BASES.value
+    column_of = hopper_float8._latent_column.fn
     seen = set()
     for pair_offset in range(64 * 256):
         mp = k = 0
@@ -1352,7 +1244,6 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     Triton 3.6). Each warpgroup stores its float32 half from its accumulator, 8 bytes a store
     (item 48: no hand-over through shared memory, no 16-byte stores from one warpgroup); only
     final 16-bit rows, staged, go out 16 bytes a store."""
-    from mla_compile.mla_ops import triton_kernels
 
     res = offline_compile(
         f"k = oc.compile_wgmma(64, 2, warps=4, one_scorer=True, merge={merge}); "
@@ -1364,7 +1255,7 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     )
     assert res["m64n64"] == 36 and res["m64n256"] == 8 and res["mma.sync"] == 0, res
     assert res["shared_bytes"] <= 232448, res
-    assert res["shared_bytes"] <= triton_kernels.wgmma_shared_memory(64, 512, 64, 2, False), res
+    assert res["shared_bytes"] <= tiling.wgmma_shared_memory(64, 512, 64, 2, False), res
     assert res["spill_bytes"] < 256, res
     # The merge's partial reads (every ld.global.cg but the lse's) are 16 bytes wide, in a rolled
     # loop over the column blocks: the first block and the loop's next one, 4 splits each
@@ -1432,29 +1323,12 @@ def test_longest_first_compiles_and_keeps_its_registers(stages: int, kv_dtype: s
     assert longest["spill_bytes"] <= split_major["spill_bytes"] + 32, (split_major, longest)
 
 
-@pytest.mark.skipif(not _gluon_available(), reason="this Triton has no Gluon")
-@pytest.mark.parametrize("rows", [16, 64])
-def test_phase_stamps_compile_in_only_when_asked(rows: int) -> None:
-    """The phase stamps read ``%globaltimer`` only in a ``stamps`` build: the op's kernel has
-    none, and the stamped one keeps its registers (no more than a few spilled scalars)."""
-    from mla_compile.mla_ops import triton_kernels
-
-    block_m, warps = triton_kernels.wgmma_tiling(rows)
-    (plain, plain_spill), (stamped, stamped_spill) = offline_compile(
-        f"r = [oc.compile_wgmma({block_m}, 2, warps={warps}, stamps=s) for s in (False, True)]; "
-        "print([(k.asm['ptx'].count('%globaltimer'), oc.resources(k)['spill_bytes']) for k in r])"
-    )
-    assert plain == 0 and stamped > 0
-    assert stamped_spill < 256 and plain_spill < 256
-
-
 def test_merge_path_says_why() -> None:
     """Which ``mla::attention`` calls merge splits inside the wgmma kernel, and why not."""
-    from mla_compile.mla_ops import triton_kernels
 
-    most = triton_kernels.MERGE_MAX_SPLITS
-    assert triton_kernels.merge_path("tma", 1)[0] and triton_kernels.merge_path("gather", most)[0]
-    ok, why = triton_kernels.merge_path("tma", most + 1)
+    most = tiling.MERGE_MAX_SPLITS
+    assert tiling.merge_path("tma", 1)[0] and tiling.merge_path("gather", most)[0]
+    ok, why = tiling.merge_path("tma", most + 1)
     assert not ok and f"num_splits={most + 1} > {most}" in why
-    ok, why = triton_kernels.merge_path(None, 1)
+    ok, why = tiling.merge_path(None, 1)
     assert not ok and "Triton decode kernel" in why
