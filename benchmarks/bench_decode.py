@@ -55,8 +55,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mla_compile import mla_ops
-from mla_compile.mla_ops import runtime, tiling
-from mla_compile.mla_ops.splits import SplitPlan, plan_splits
+from mla_compile.mla_ops import planner, runtime, tiling
+from mla_compile.mla_ops.splits import SplitPlan
 
 L, R = 512, 64
 SCALE = 0.1352337788608801
@@ -80,22 +80,22 @@ class Case:
 
 
 CASES = {
-    "a": Case("a", 128, 16, 4096),
-    "b": Case("b", 32, 128, 4096),
-    "c": Case("c", 1, 128, 32768),
-    "d": Case("d", 4, 16, 65536),
-    "e": Case("e", 64, 16, 8192, ragged=True),
-    "f": Case("f", 64, 128, 4096, s_q=2),
-    "g": Case("g", 128, 16, 4096, page_size=1),
-    "a8": Case("a8", 128, 16, 4096, fp8=True),
-    "a8e": Case("a8e", 128, 16, 4096, fp8=True, fp8_rope=True),
-    "am": Case("am", 128, 16, 4096, mask=True),
-    "bm": Case("bm", 32, 128, 4096, mask=True),
+    "h16_b128_4k": Case("h16_b128_4k", 128, 16, 4096),
+    "h128_b32_4k": Case("h128_b32_4k", 32, 128, 4096),
+    "h128_b1_32k": Case("h128_b1_32k", 1, 128, 32768),
+    "h16_b4_64k": Case("h16_b4_64k", 4, 16, 65536),
+    "h16_b64_8k_ragged": Case("h16_b64_8k_ragged", 64, 16, 8192, ragged=True),
+    "h128_b64_4k_sq2": Case("h128_b64_4k_sq2", 64, 128, 4096, s_q=2),
+    "h16_b128_4k_page1": Case("h16_b128_4k_page1", 128, 16, 4096, page_size=1),
+    "h16_b128_4k_fp8": Case("h16_b128_4k_fp8", 128, 16, 4096, fp8=True),
+    "h16_b128_4k_fp8row": Case("h16_b128_4k_fp8row", 128, 16, 4096, fp8=True, fp8_rope=True),
+    "h16_b128_4k_mask": Case("h16_b128_4k_mask", 128, 16, 4096, mask=True),
+    "h128_b32_4k_mask": Case("h128_b32_4k_mask", 32, 128, 4096, mask=True),
 }
 
 
 # FlexAttention compiles for a minute per case; it is timed where the shared anchors have it.
-FLEX_CASES = ("a", "b")
+FLEX_CASES = ("h16_b128_4k", "h128_b32_4k")
 PEERS = ("eager_einsum", "sdpa_mqa", "flex", "flashinfer")
 
 
@@ -450,9 +450,7 @@ def planned(case: Case, inp: Inputs) -> SplitPlan:
     (as ``mla_decode`` asks: the capacity is the block table's pages)."""
 
     kv_c, k_pe = inp.decode_cache()
-    wgmma = tiling.wgmma_support(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)[0]
-    capacity = inp.block_table.shape[1] * kv_c.shape[1]
-    return plan_splits(case.batch, case.heads * case.s_q, capacity, inp.q.device, wgmma)
+    return planner.default_splits(inp.q, kv_c, k_pe, inp.block_table, inp.attn_mask)
 
 
 def input_copies(case: Case, l2_bytes: int, with_contiguous: bool = False) -> list[Inputs]:
@@ -696,7 +694,7 @@ def main() -> None:
             bar.update()
     if bar:
         bar.close()
-    graph = cuda_graph_replay(CASES["a"])
+    graph = cuda_graph_replay(CASES["h16_b128_4k"])
     meta["wall_s"] = time.time() - t0
 
     out = Path(args.out)
@@ -729,7 +727,7 @@ def main() -> None:
         f"bf16 mm {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s  flashinfer: {meta['flashinfer']}"
     )
     print(
-        f"{'case':<5}{'impl':<14}{'us':>10}{'GB/s':>8}{'TFLOP/s':>9}{'roofline':>9}{'rel_err':>9}"
+        f"{'case':<19}{'impl':<14}{'us':>10}{'GB/s':>8}{'TFLOP/s':>9}{'roofline':>9}{'rel_err':>9}"
         f"{'dirty':>7}{'splits':>7}{'comb%':>7}{'merge':>8}  note"
     )
     for r in rows:
@@ -744,20 +742,23 @@ def main() -> None:
         cs = f"{100 * r.extra['combine_share']:6.1f}%" if "combine_share" in r.extra else f"{'':>7}"
         merge = r.extra.get("merge", "").split(":")[0].replace("decode kernel", "kernel")
         mg = f"{merge.replace('mla::combine', 'combine'):>8}"
-        print(f"{r.case:<5}{r.impl:<14}{t}{g}{fl}{rf}{e}{dl}{sp}{cs}{mg}  {r.note[:60]}")
+        print(f"{r.case:<19}{r.impl:<14}{t}{g}{fl}{rf}{e}{dl}{sp}{cs}{mg}  {r.note[:60]}")
     print(
-        f"CUDA graph replay, case a: {graph['graph_replay_us']:.1f} us, "
+        f"CUDA graph replay, h16_b128_4k: {graph['graph_replay_us']:.1f} us, "
         f"matches eager: {graph['matches_eager']}"
     )
     ours = {r.case: r for r in rows if r.impl == "mla_decode" and r.time_us}
-    for name, what in (("a8", "e4m3 kv_c, bf16 k_pe"), ("a8e", "all e4m3")):
-        if "a" in ours and name in ours:
+    for name, what in (
+        ("h16_b128_4k_fp8", "e4m3 kv_c, bf16 k_pe"),
+        ("h16_b128_4k_fp8row", "all e4m3"),
+    ):
+        if "h16_b128_4k" in ours and name in ours:
             print(
-                f"fp8 cache ({name}: {what}) vs bf16 (a): "
-                f"{ours['a'].time_us / ours[name].time_us:.2f}x faster, "
+                f"fp8 cache ({name}: {what}) vs bf16 (h16_b128_4k): "
+                f"{ours['h16_b128_4k'].time_us / ours[name].time_us:.2f}x faster, "
                 f"rel_err vs the bf16-cache reference {ours[name].rel_err:.1e}"
             )
-    for masked, base in (("am", "a"), ("bm", "b")):
+    for masked, base in (("h16_b128_4k_mask", "h16_b128_4k"), ("h128_b32_4k_mask", "h128_b32_4k")):
         if base in ours and masked in ours:
             print(
                 f"all-visible bf16 mask ({masked}) vs none ({base}): "
@@ -780,7 +781,7 @@ PTX_MARKERS = {
 def diagnose(selected: list[Case], out: Path) -> None:
     """Registers, spills, shared memory and instruction mix of the compiled decode kernel."""
 
-    print(f"{'case':<5}{'cfg':<18}{'regs':>5}{'spill':>6}{'smem':>8}  ptx instruction counts")
+    print(f"{'case':<19}{'cfg':<18}{'regs':>5}{'spill':>6}{'smem':>8}  ptx instruction counts")
     for case in selected:
         inp = Inputs(case, torch.Generator().manual_seed(0), with_contiguous=False)
         rows_q = case.heads * case.s_q
@@ -795,7 +796,7 @@ def diagnose(selected: list[Case], out: Path) -> None:
             path = runtime.LAST_LAUNCH["decode_path"]
             c = f"{cfg.block_m},{cfg.block_n},{cfg.num_warps},{cfg.num_stages},{path}"
             print(
-                f"{case.name:<5}{c:<18}{k.n_regs:>5}{k.n_spills:>6}{k.metadata.shared:>8}  "
+                f"{case.name:<19}{c:<18}{k.n_regs:>5}{k.n_spills:>6}{k.metadata.shared:>8}  "
                 + " ".join(f"{n}={v}" for n, v in counts.items())
             )
         del inp
@@ -882,14 +883,14 @@ def sweep_cases(name: str, sweep_one, selected: list[Case], meta: dict, out: Pat
 def run_split_sweep(selected: list[Case], meta: dict, out: Path) -> None:
     results = sweep_cases("splits", split_sweep, selected, meta, out)
     print(
-        f"{'case':<5}{'num_splits':>11}{'total_splits':>13}{'chunks':>7}{'max chunk':>10}"
+        f"{'case':<19}{'num_splits':>11}{'total_splits':>13}{'chunks':>7}{'max chunk':>10}"
         f"{'us':>9}{'roofline':>9}{'rel_err':>9}  planner"
     )
     for case in selected:
         floor = floor_seconds(case, meta)
         for r in (r for r in results if r["case"] == case.name):
             print(
-                f"{case.name:<5}{r['num_splits']:>11}{r['total_splits']!s:>13}{r['chunks']:>7}"
+                f"{case.name:<19}{r['num_splits']:>11}{r['total_splits']!s:>13}{r['chunks']:>7}"
                 f"{r['max_chunk_tokens']:>10}{r['us']:>9.1f}{floor / (r['us'] * 1e-6):>9.2f}"
                 f"{r['rel_err']:>9.1e}  {'<-' if r['planner'] else ''}"
             )
@@ -898,7 +899,8 @@ def run_split_sweep(selected: list[Case], meta: dict, out: Path) -> None:
 def run_sweep(selected: list[Case], meta: dict, out: Path) -> None:
     results = sweep_cases("sweep", sweep, selected, meta, out)
     print(
-        f"{'case':<5}{'best cfg (bm,bn,warps,stages,tma)':<34}{'splits':>7}{'us':>9}{'roofline':>9}"
+        f"{'case':<19}{'best cfg (bm,bn,warps,stages,tma)':<34}{'splits':>7}{'us':>9}"
+        f"{'roofline':>9}"
     )
     for case in selected:
         ok = [r for r in results if r["case"] == case.name and r.get("us")]
@@ -906,7 +908,7 @@ def run_sweep(selected: list[Case], meta: dict, out: Path) -> None:
         floor = floor_seconds(case, meta)
         for r in best:
             frac = floor / (r["us"] * 1e-6)
-            print(f"{case.name:<5}{r['cfg']!s:<34}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
+            print(f"{case.name:<19}{r['cfg']!s:<34}{r['splits']:>7}{r['us']:>9.1f}{frac:>9.2f}")
 
 
 def plot(rows: list[Row], meta: dict, path: Path) -> None:

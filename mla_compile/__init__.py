@@ -15,9 +15,18 @@ Subpackages load on first use (``mla_compile.mla_ops`` registers the ops; ``fx_p
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 __version__ = "0.2.0"
+
+# Run from a source checkout without installing (``PYTHONPATH=.``): the subpackages are the
+# repository's top-level folders beside this one, as the installed layout maps them.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if not os.path.isdir(os.path.join(os.path.dirname(__file__), "mla_ops")) and os.path.isfile(
+    os.path.join(_CHECKOUT, "mla_ops", "__init__.py")
+):
+    __path__.append(_CHECKOUT)
 
 _SUBPACKAGES = ("mla_ops", "fx_passes", "export")
 __all__ = ["__version__", *_SUBPACKAGES]

@@ -43,8 +43,8 @@ from collections.abc import Sequence
 import torch
 
 from . import reference
-from .plan_cache import PlanCache
-from .splits import SplitPlan, log, plan_splits
+from .planner import default_splits
+from .splits import log
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # A latent cache may also be stored in float8 e4m3 with one dequantisation scale (kv_scale).
@@ -584,38 +584,6 @@ def split_kv_cache(kv_cache: KVCache, head_dim_v: int) -> tuple[torch.Tensor, to
     )
 
 
-def _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask) -> bool:
-    """Whether the CUDA decode will run the Gluon wgmma kernel (shapes and dtypes only)."""
-    from .tiling import wgmma_support
-
-    return wgmma_support(q, kv_c, k_pe, block_table, attn_mask)[0]
-
-
-# The planner's split plans by call signature, for eager calls (traced calls plan at trace time).
-_SPLIT_PLANS = PlanCache()
-
-
-def _split_plan(q, kv_c, k_pe, block_table, attn_mask) -> SplitPlan:
-    """``plan_splits`` for a call, asked once per signature in eager mode (it reads only shapes,
-    dtypes and the device)."""
-    key = None
-    if not torch.compiler.is_compiling():
-        bt_shape = None if block_table is None else block_table.shape
-        mask_dtype = None if attn_mask is None else attn_mask.dtype
-        key = (q.device, q.shape, q.dtype, kv_c.shape, kv_c.dtype, k_pe.shape, k_pe.dtype,
-               bt_shape, mask_dtype)  # fmt: skip
-        try:
-            plan = _SPLIT_PLANS.lookup(key)
-        except TypeError:  # symbolic sizes traced outside torch.compile: planned, not kept
-            key = plan = None
-        if plan is not None:
-            return plan
-    capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    wgmma = q.device.type == "cuda" and _takes_wgmma(q, kv_c, k_pe, block_table, attn_mask)
-    plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
-    return plan if key is None else _SPLIT_PLANS.put(key, plan)
-
-
 def mla_decode(
     q: torch.Tensor,
     kv_cache: KVCache,
@@ -681,7 +649,7 @@ def mla_decode(
         total_splits,
     )
     if num_splits is None:
-        plan = _split_plan(q, kv_c, k_pe, block_table, attn_mask)
+        plan = default_splits(q, kv_c, k_pe, block_table, attn_mask)
         num_splits = plan.num_splits
         total_splits = plan.total_splits if total_splits is None else total_splits
     return torch.ops.mla.attention(

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from . import device
-from .splits import MIN_CHUNK, SPLIT_GRANULE, log
+from .plan_cache import PlanCache
+from .splits import MIN_CHUNK, SPLIT_GRANULE, SplitPlan, log, plan_splits
 from .tiling import (
     LENGTHS_PER_STEP,
     MERGE_MAX_SPLITS,
@@ -43,6 +44,7 @@ from .tiling import (
     triton_tiling,
     wgmma_path,
     wgmma_stages,
+    wgmma_support,
     wgmma_tiling,
 )
 
@@ -346,6 +348,38 @@ def plan_decode(
     return plan
 
 
+# Split plans by call signature, for eager calls (traced calls plan at trace time).
+_SPLIT_PLANS = PlanCache()
+
+
+def default_splits(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    attn_mask: torch.Tensor | None,
+) -> SplitPlan:
+    """The split plan ``mla_decode`` uses when ``num_splits`` is not given: ``plan_splits`` for
+    the kernel the call will run, from shapes, dtypes and the device only (no host sync), kept
+    per signature in eager mode. The capacity is the block table's pages (or the cache length)."""
+    key = None
+    if not torch.compiler.is_compiling():
+        bt_shape = None if block_table is None else block_table.shape
+        mask_dtype = None if attn_mask is None else attn_mask.dtype
+        key = (q.device, q.shape, q.dtype, kv_c.shape, kv_c.dtype, k_pe.shape, k_pe.dtype,
+               bt_shape, mask_dtype)  # fmt: skip
+        try:
+            plan = _SPLIT_PLANS.lookup(key)
+        except TypeError:  # symbolic sizes traced outside torch.compile: planned, not kept
+            key = plan = None
+        if plan is not None:
+            return plan
+    capacity = kv_c.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    wgmma = q.device.type == "cuda" and wgmma_support(q, kv_c, k_pe, block_table, attn_mask)[0]
+    plan = plan_splits(q.shape[0], q.shape[1] * q.shape[2], capacity, q.device, wgmma)
+    return plan if key is None else _SPLIT_PLANS.put(key, plan)
+
+
 def plan_combine(
     out_partial: torch.Tensor, options: DecodeOptions = DEFAULT_OPTIONS
 ) -> tuple[int, int]:
@@ -365,6 +399,7 @@ __all__ = [
     "DecodePlan",
     "TritonPlan",
     "WgmmaPlan",
+    "default_splits",
     "plan_combine",
     "plan_decode",
 ]

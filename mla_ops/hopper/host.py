@@ -201,9 +201,17 @@ def prepare(
         producer_warps = default_producer_warps(num_warps, gather)
     float8 = kv_c.dtype == torch.float8_e4m3fn
     if one_scorer:
-        if rows_on_m or block_m != 64 or num_warps != 4 or num_stages != 2 or gather or float8:
+        if (
+            rows_on_m
+            or block_m != 64
+            or num_warps != 4
+            or num_stages not in (2, 3)
+            or gather
+            or float8
+        ):
             raise ValueError(
-                "one_scorer: expected block_m=64, num_warps=4, num_stages=2, rows_on_m not set, "
+                "one_scorer: expected block_m=64, num_warps=4, num_stages=2 (3 with the query in "
+                "registers), rows_on_m not set, "
                 f"copy-engine tiles of a 16-bit cache; got block_m={block_m}, "
                 f"num_warps={num_warps}, num_stages={num_stages}, rows_on_m={rows_on_m}, "
                 f"gather={gather}, kv_c {kv_c.dtype}"
@@ -226,6 +234,8 @@ def prepare(
                 f"{'given' if attn_mask is not None else 'None'}"
             )
         num_stages = 3
+    elif one_scorer:
+        num_stages = 2
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8) and attn_mask is None
     if attn_mask is not None and rows_on_m:

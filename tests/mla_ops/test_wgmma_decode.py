@@ -1332,3 +1332,50 @@ def test_merge_path_says_why() -> None:
     assert not ok and f"num_splits={most + 1} > {most}" in why
     ok, why = tiling.merge_path(None, 1)
     assert not ok and "Triton decode kernel" in why
+
+
+@pytest.mark.parametrize(
+    ("heads", "page_size", "cache_dtype", "mask", "loop"),
+    [
+        (128, 64, None, None, "one-scorer"),  # DeepSeek's row: the query in registers
+        (128, 64, None, "bool", "one-scorer"),  # masked: the two-slot one-scorer loop
+        (128, 16, None, None, "rows-on-m"),  # gathered tiles
+        (128, 16, None, "bool", "transposed"),  # gathered and masked
+        (16, 64, None, None, "transposed"),
+        (16, 64, torch.float8_e4m3fn, None, "transposed"),  # float8 products
+        (32, 1, torch.float8_e4m3fn, None, "transposed"),  # float8, gathered, ring of three
+    ],
+)  # fmt: skip
+def test_every_plan_prepares(monkeypatch, heads, page_size, cache_dtype, mask, loop) -> None:
+    """On an emulated Hopper device, each loop the planner can choose is one that
+    ``hopper.prepare`` accepts as planned (tiling, ring depth, loop, producer and order): a plan
+    never names a configuration the kernel refuses. No GPU needed (nothing is launched)."""
+    if not _gluon_available():
+        pytest.skip("Triton without Gluon's Hopper module")
+    monkeypatch.setattr(device_facts, "has_wgmma", lambda device: True)
+    monkeypatch.setattr(device_facts, "has_copy_engine", lambda device: True)
+    case = make_case(
+        7, dtype=torch.bfloat16, page_size=page_size, dims=(512, 64), heads=heads, s_q=1,
+        lengths=[300, 64], num_splits=2, cache_dtype=cache_dtype, mask=mask, pair=True,
+        device="cuda" if HAS_CUDA else "cpu",
+    )  # fmt: skip
+    q, kv_c, k_pe, _, block_table = case.op_args()[:5]
+    for merge in (False, True):
+        plan = planner.plan_decode(
+            q, kv_c, k_pe, block_table, case.attn_mask, causal=True, num_splits=2,
+            total_splits=None, merge=merge,
+        )  # fmt: skip
+        assert plan.kernel == "wgmma" and plan.wgmma.loop == loop, plan.describe()
+        out = q.new_empty((*q.shape[:3], 2, kv_c.shape[-1]), dtype=torch.float32)
+        lse = q.new_empty((*q.shape[:3], 2), dtype=torch.float32)
+        merge_into = None
+        if plan.merge_in_kernel:
+            merge_into = (q.new_empty((*q.shape[:3], kv_c.shape[-1])),
+                          q.new_empty(q.shape[:3], dtype=torch.float32),
+                          q.new_zeros(8, dtype=torch.int32))  # fmt: skip
+        prepared = hopper.prepare(
+            q, kv_c, k_pe, block_table, out, lse, True, 2, None, fill_empty=False,
+            merge_into=merge_into, attn_mask=case.attn_mask, **plan.wgmma.prepare_kwargs(),
+        )  # fmt: skip
+        stages = prepared.kwargs["NUM_STAGES"]
+        assert stages == plan.wgmma.num_stages, (stages, plan.describe())
