@@ -16,23 +16,25 @@ Method
   evicted before every call by reading a 256 MB buffer. do_bench evicts it by zeroing that
   buffer instead, which leaves all of L2 dirty: every timed kernel then also writes about the L2
   size back to DRAM (9.5-9.9 us on an H100 for the bandwidth-bound cases and a plain 302 MB
-  ``torch.sum`` alike; ``experiments/l2_state.py``, NOTES.md item 30). ``mla_decode`` is also
+  ``torch.sum`` alike). ``mla_decode`` is also
   timed that way (``time_us_dirty_l2``, the "dirty" column), the L2 state under which FlashMLA's
   ``tests/test_flash_mla.py`` times (``triton.testing.do_bench``). The ceilings are timed like
   the cases (clean L2). Eager (un-graphed) time is reported beside the graph time.
 - roofline fraction = max(bytes / copy_bw, flops / matmul_rate) / time, with
   bytes = cache rows read + q + out and flops = 2 * H * S_q * T * (2L + R) summed over the batch.
-- Case ``a8``: (a) over a float8 ``kv_c`` with a bf16 ``k_pe`` (FlashMLA's 640-byte rows);
-  ``a8e``: the whole row in float8 under one scale (576 bytes, vLLM's ``fp8`` MLA cache);
-  ``am``: (a) with an all-visible bf16 ``attn_mask``, and ``bm`` the same over (b) (128 heads),
-  what every decode step of a rewritten Hugging Face model passes (peers skip these).
+- Cases are named by shape: ``h{heads}_b{batch}_{context}``, bf16, S_q = 1, page size 64, unless
+  a suffix says otherwise: ``ragged`` (lengths spread over the batch), ``sq2`` (two query
+  positions), ``page1`` (page size 1), ``fp8`` (a float8 ``kv_c`` with a bf16 ``k_pe``,
+  FlashMLA's 640-byte rows), ``fp8row`` (the whole row in float8 under one scale, 576 bytes,
+  vLLM's ``fp8`` MLA cache), ``mask`` (an all-visible bf16 ``attn_mask``, what every decode step
+  of a rewritten Hugging Face model passes; peers skip these).
 - Every implementation's output is checked against a float32 torch reference before timing.
 - Peers run in the same process on the same data: torch eager absorbed einsum (contiguous cache),
-  SDPA over an expanded MQA, FlexAttention (where it compiles), and FlashInfer's planned MLA
-  wrapper (``BatchMLAPagedAttentionWrapper``, backend ``auto``: fa3 on Hopper) over the same paged
-  cache, planned outside the timed call, with the whole-row e4m3 cache on ``a8e``. FlashInfer is
-  reported as not installed when it cannot be imported; ``benchmarks/flashinfer_offline.sh``
-  carries it to a GPU machine with no network.
+  SDPA over an expanded MQA, FlexAttention (where it compiles), and FlashInfer's planned MLA wrapper
+  (``BatchMLAPagedAttentionWrapper``, backend ``auto``: fa3 on Hopper) over the same paged cache,
+  planned outside the timed call, with the whole-row e4m3 cache on ``h16_b128_4k_fp8row``.
+  FlashInfer is reported as not installed when it cannot be imported;
+  ``benchmarks/flashinfer_offline.sh`` carries it to a GPU machine with no network.
 Writes JSON + CSV (+ PNG) named by device and date under --out; prints a table last.
 """
 
@@ -121,7 +123,7 @@ def copy_bandwidth() -> float:
 
 
 # Timed windows of the matmul ceiling: its rate moves between windows on one machine (clocks under
-# the power limit; H100 626-752, H200 657-730 TFLOP/s, NOTES.md item 30), so the ceiling is the
+# the power limit; H100 626-752, H200 657-730 TFLOP/s), so the ceiling is the
 # best of several, the strictest denominator for the compute-bound cases.
 MATMUL_WINDOWS = 5
 
@@ -374,7 +376,9 @@ def impls(case: Case):
         kv_indptr = torch.tensor([0, *pages], device="cuda").cumsum(0).to(torch.int32)
         qo_indptr = torch.arange(case.batch + 1, device="cuda", dtype=torch.int32) * case.s_q
         kv, scales = inp.kv_cache, {}
-        if case.fp8:  # the whole row in e4m3 under one scale (a8e); a8's bf16 k_pe is not offered
+        # FlashInfer takes the whole row in e4m3 under one scale (h16_b128_4k_fp8row), not a bf16
+        # k_pe beside a float8 kv_c (h16_b128_4k_fp8).
+        if case.fp8:
             if not case.fp8_rope:
                 raise NotImplementedError("FlashInfer's float8 MLA takes the whole row in e4m3")
             kv, scale = inp.kv_fp8, float(inp.kv_scale)
@@ -513,8 +517,8 @@ def run_case(case: Case, ceil: dict, peers: tuple[str, ...], l2_bytes: int, prog
     # Split into decode and combine: the combine's share of the total is what it adds to the
     # call, mla_decode minus its decode alone (the same plan, no zeros for empty splits, graph
     # replays of the same rotated inputs). The combine timed alone in a graph of its own is
-    # reported too; that figure carries a lone graph's launch (NOTES.md item 27). Where the
-    # decode kernel merges the splits itself (``merge``: no combine kernel, NOTES.md item 29),
+    # reported too; that figure carries a lone graph's launch. Where the
+    # decode kernel merges the splits itself (``merge``: no combine kernel),
     # the share is what writing the output and merging add to a decode writing float32
     # partials, and can be negative.
 

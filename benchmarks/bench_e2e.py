@@ -26,7 +26,7 @@ Attention share: the time during which any ``mla`` kernel runs in a profiled ste
 union of their intervals: the combine, launched early, overlaps the decode), against
 ``mla_decode`` timed alone at the same shapes (CUDA-graph replays) x layers.
 
-    python benchmarks/bench_e2e.py        # all cases; writes results/e2e_*.json, .csv, .png
+    python benchmarks/bench_e2e.py        # all cases; writes e2e_*.json, .csv, .png under --out
     python benchmarks/bench_e2e.py --cases 32x8192 --variants mla,mla_graphs
     python benchmarks/bench_e2e.py --cases 32x32768 --variants hf_compile,mla,mla_graphs --fit
 """
@@ -187,7 +187,7 @@ def attention_share(step, model, cache, ids, batch: int, context: int) -> dict:
     # the sum of their durations, since the combine is launched early (programmatic dependent
     # launch) and its interval covers the decode's last part while it waits. The sum counted
     # that overlap twice: 1.42x the kernel timed alone at 32 x 32k, against 1.00x for the union
-    # (benchmarks/NOTES.md item 65).
+    # .
     mla_events = [e for e in events if "_mla_" in e.name]
     attention = busy_us(mla_events) / PROFILED_STEPS
     attention_sum = sum(e.device_time for e in mla_events) / PROFILED_STEPS

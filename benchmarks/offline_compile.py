@@ -3,7 +3,7 @@
 Triton's wheel carries ptxas and cuobjdump, so register pressure and the instruction mix of any
 tiling can be read on a CPU-only machine (no device time). The launch's own specialisations are
 reproduced: unit strides are compile-time 1, pointers and other strides 16-divisible. Figures come
-from the local Triton, which may differ from the GPU machine's (NOTES.md says which was used).
+from the local Triton, which may differ from the GPU machine's.
 
     python benchmarks/offline_compile.py                       # the default 16- and 64-row tilings
     python benchmarks/offline_compile.py --rows 16 --block-n 64 --warps 8 --stages 3 --dump /tmp/k
@@ -108,7 +108,7 @@ def compile_wgmma(
     pe_dtype: str | None = None, mask: str | None = None, s_q: int = 1,
     query_in_registers: bool = False, pv_regs: int | None = None,
 ):  # fmt: skip
-    """The Gluon wgmma kernel (``mla_ops/wgmma_decode.py``) for sm_90, ``rows // s_q`` heads x
+    """The Gluon wgmma kernel (``mla_ops/hopper``) for sm_90, ``rows // s_q`` heads x
     ``s_q``;
     ``kv_dtype="fp8e4nv"``: a float8 kv_c (k_pe stays in ``dtype``); ``gather``: tiles copied row
     by row by cp.async (as for ``page_size`` not a multiple of 64) instead of by TMA;
@@ -204,7 +204,7 @@ def compile_wgmma(
 
 
 def conversion_bank_conflicts(num_warps: int, kv_len: int) -> dict:
-    """Bank conflicts of the float8 tile's conversion (``wgmma_decode._conversion_layout`` over a
+    """Bank conflicts of the float8 tile's conversion (``hopper.layouts._conversion_layout`` over a
     ``[64, kv_len]`` tile): its float8 loads from the ring slot and fp16 stores to the staging
     tile, and the same for the 16-bit ``io`` layout. Triton's
     count for one instruction (``gl.bank_conflicts``: 0 is none, 1 a two-way replay), from the

@@ -1,15 +1,15 @@
 """Prepared kernel launches: a Triton kernel's grid and arguments fixed once, each call's data
 filled in at launch, the compiled kernel launched without re-binding its arguments.
 
-Why: ``JITFunction.run`` binds and specialises every argument on every launch. For the wgmma
-decode kernel's 60 arguments that is about 60 us of host time per call under Triton 3.6, of which
-the compiled kernel's own launcher takes 17 (H100 host, ``benchmarks/experiments/launch_parts.py``,
-NOTES.md item 71); with the op's own decisions, an eager decode step was host-bound.
+Why: ``JITFunction.run`` binds and specialises every argument on every launch. For the wgmma decode
+kernel's 60 arguments that is about 60 us of host time per call under Triton 3.6, of which the
+compiled kernel's own launcher takes 17 (H100 host);
+with the op's own decisions, an eager decode step was host-bound.
 
 A ``PreparedLaunch`` is exact only while every argument Triton specialises on (integer values,
 pointer alignment, dtypes, constexprs, launch options) is the one it was prepared with: it must be
-kept per call signature (``triton_kernels.attention``'s plans, keyed by shapes, strides, dtypes,
-data alignment, device and scalar arguments: ``triton_kernels.call_signature``). With
+kept per call signature (``runtime``'s launches, keyed by shapes, strides, dtypes,
+data alignment, device and scalar arguments: ``runtime.call_signature``). With
 ``MLA_OPS_CHECK_LAUNCH=1`` every direct launch also asks Triton's own cache which compiled kernel
 these arguments select, and raises if it is another one.
 

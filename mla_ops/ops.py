@@ -3,15 +3,15 @@
 Two ops in namespace ``mla``:
 
 * ``mla::decode(q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, causal, num_splits,
-  kv_scale=None, attn_mask=None, total_splits=None, fill_empty=True) -> (out_partial
-  [B, S_q, H, num_splits, L], lse_partial [B, S_q, H, num_splits])``: split-KV attention of the
-  absorbed query over the latent cache (MQA, one KV head). Scores are
-  ``[q_nope, q_pe] . [kv_c, k_pe] * softmax_scale`` (plus a float ``attn_mask``); the value is
-  ``kv_c``. Empty splits give ``lse = -inf`` and ``out = 0``; with ``fill_empty=False`` the CUDA
-  kernels leave an empty split's ``out`` unwritten (``mla::combine`` never reads it, and writing
-  the zeros of the planner's headroom splits cost 1.8-3.4 % of cases (a), (d), (e) on an H100:
-  ``mla_decode`` passes False). Where each split starts and
-  ends: ``planner.split_bounds`` (``total_splits`` balances a ragged batch).
+  kv_scale=None, attn_mask=None, total_splits=None, fill_empty=True) -> (out_partial [B, S_q, H,
+  num_splits, L], lse_partial [B, S_q, H, num_splits])``: split-KV attention of the absorbed query
+  over the latent cache (MQA, one KV head). Scores are ``[q_nope, q_pe] . [kv_c, k_pe] *
+  softmax_scale`` (plus a float ``attn_mask``); the value is ``kv_c``. Empty splits give ``lse =
+  -inf`` and ``out = 0``; with ``fill_empty=False`` the CUDA kernels leave an empty split's ``out``
+  unwritten (``mla::combine`` never reads it, and writing the zeros of the planner's headroom splits
+  cost 1.8-3.4 % of cases (h16_b128_4k), (h16_b4_64k), (h16_b64_8k_ragged) on an H100:
+  ``mla_decode`` passes False). Where each split starts and ends: ``planner.split_bounds``
+  (``total_splits`` balances a ragged batch).
 * ``mla::combine(out_partial [..., S, L], lse_partial [..., S], out_dtype)
   -> (out [..., L], lse [...])``: the LSE merge of attention states (the splits above, or
   e.g. a prefix and a suffix).

@@ -2,7 +2,8 @@
 
 ``PagedLatentCache`` keeps, per layer, a pool of pages ``[num_pages, page_size, L+R]``, and for the
 batch one block table ``[B, max_pages]`` (int32 page ids, shared by all layers) and per-layer
-lengths. It is the storage under a Hugging Face cache (issue 5); it knows nothing of transformers.
+lengths. It is the storage under a Hugging Face cache (``hf_cache.MLACache``); it knows nothing of
+transformers.
 
 * ``static=True`` allocates every sequence's pages up front and keeps the lengths only on the
   device: no tensor ever changes address and ``append`` takes its write positions from the device

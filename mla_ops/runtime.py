@@ -276,7 +276,7 @@ _ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``[count]`` int32 zeros for a merging launch (``wgmma_decode.launch``'s ``merge_into``).
+    """``[count]`` int32 zeros for a merging launch (``hopper.prepare``'s ``merge_into``).
 
     Outside CUDA-graph capture: a buffer kept per (device, stream) and grown as needed, since each
     launch leaves it zero; launches on one stream run in order and other streams get their own.

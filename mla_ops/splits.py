@@ -42,7 +42,7 @@ MAX_SPLITS = 64
 # packing limit (``LONGEST_FIRST_MAX_SPLITS``). With 64, 16 heads x S_q 2 over 32k tokens ran 57
 # programs on an H100's 132 multiprocessors; 103 took 17 % less time (16 heads x S_q 1: level).
 # 64-row programs keep ``MAX_SPLITS``: twice their 128 KB of partials per program measured 2 %
-# slower (NOTES.md item 65).
+# slower.
 SINGLE_SEQUENCE_MAX_SPLITS = 128
 # Query rows (heads x S_q) one program handles; more rows are spread over several programs.
 MAX_ROWS_PER_PROGRAM = 64
@@ -89,7 +89,7 @@ def longest_first_order(
     seqlen: torch.Tensor, num_splits: int, total_splits: int, chunk_tokens: int = SPLIT_GRANULE
 ) -> torch.Tensor:
     """The chunk each decode program takes in the wgmma kernel's longest-first order
-    (``wgmma_decode.default_longest_first``): ``[B * num_splits, 2]`` of ``(sequence, split)``,
+    (``tiling.default_longest_first``): ``[B * num_splits, 2]`` of ``(sequence, split)``,
     by program (row blocks aside). ``seqlen``: ``[B]`` lengths; chunks as ``split_bounds`` cuts
     them, measured in ``chunk_tokens``-token tiles.
 
@@ -125,12 +125,12 @@ def rows_per_program(query_rows: int) -> int:
 def programs_per_sm(query_rows: int, wgmma: bool = False) -> int:
     """Decode programs resident on one multiprocessor at once with the default tiling (L=512).
 
-    Triton kernel, measured with ncu on an H200 (benchmarks/NOTES.md): 16-row programs use 243
+    Triton kernel, measured with ncu on an H200: 16-row programs use 243
     registers per thread and 92 KB of shared memory (2 fit); 64-row programs use 255 registers x
     8 warps (1 fits). The Gluon wgmma kernel (``wgmma=True``) holds two or three 64-token KV tiles
-    in flight, 164 KB (16 rows) to 225 KB (64 rows) of shared memory: 1 fits (NOTES.md items 23-25).
+    in flight, 164 KB (16 rows) to 225 KB (64 rows) of shared memory: 1 fits.
     16-row programs that multiply a float8 cache in float8 take 102 KB, but 255 registers x 160
-    threads: 1 fits there too (item 57).
+    threads: 1 fits there too.
     """
     if wgmma:
         return 1

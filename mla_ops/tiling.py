@@ -54,8 +54,7 @@ def shared_memory_bytes(cfg: TritonTiling, row_width: int, element_size: int, kv
     one stage it stages the tile through shared memory for the dots, which took as much as a second
     stage or less in every tiling compiled. The epilogue converts the float32 ``[block_m, L]``
     accumulator through shared memory too, which bounds 64-row programs at L = 1024 (256 KB).
-    Plus 1 KB for barriers. Checked against ``metadata.shared`` of offline sm_90 compiles (NOTES.md
-    items 8 and 76; ``test_shared_memory_bound_holds``).
+    Plus 1 KB for barriers. Checked against ``metadata.shared`` of offline sm_90 compiles.
     """
     tiles = max(cfg.num_stages, 2) * cfg.block_n
     loop = (cfg.block_m + tiles) * row_width * element_size
@@ -73,13 +72,13 @@ def triton_tiling(
 ) -> TritonTiling:
     """The tiling used when none is given, shrunk until it fits ``shared_memory`` bytes.
 
-    Measured on an H200 with L=512 (benchmarks/NOTES.md, sweeps of 2026-11-22): 16-row programs are
+    Measured on an H200 with L=512: 16-row programs are
     fastest with 32-token tiles and 4 warps, 64-row programs with 64-token tiles and 8 warps; two
     pipeline stages beat three or four in both. On an H100, 64-row programs are 30-46 % slower
-    with TMA loads than with per-token loads (NOTES.md item 17), so they use per-token loads;
+    with TMA loads than with per-token loads, so they use per-token loads;
     16-row programs keep TMA (3 % faster there). Over a float8 cache (tiles converted to fp16 in
     registers and stored to shared memory as fp16), 16-row programs are fastest with 64-token
-    tiles and no pipelining on the H100 (item 19). fp32 needs smaller tiles to fit.
+    tiles and no pipelining on the H100. fp32 needs smaller tiles to fit.
     """
     block_m = rows_per_program(query_rows)
     if next_pow2(kv_len) <= 128:  # small test dims: registers are no concern
@@ -95,7 +94,7 @@ def triton_tiling(
     row = kv_width + (next_pow2(rope_len) if rope_len else 0)
     # Stages past two first (one stage needs no less than two, shared_memory_bytes), then rows
     # down to 32, then tokens: at L=1024 (64 heads, bf16, H200) 32 x 32 tiles took 445 us where
-    # 32 x 16 took 685 and 16 x 16 559 (NOTES.md item 76).
+    # 32 x 16 took 685 and 16 x 16 559.
     while (need := shared_memory_bytes(cfg, row, element_size, kv_width)) > shared_memory:
         if cfg.num_stages > 2:
             cfg = replace(cfg, num_stages=cfg.num_stages - 1)
@@ -163,10 +162,10 @@ def wgmma_tiling(query_rows: int) -> tuple[int, int]:
     Rows per program as the Triton kernel (``planner.rows_per_program``: 16, 32 or 64, the wgmma's
     N). 16-row programs are one warpgroup (O^T is 64 float32 registers per thread); 32 and 64 rows
     take two warpgroups, which split the scores' rows (64 rows over a 16-bit cache: tokens, with
-    the rows on M, ``wgmma_decode.default_rows_on_m``) and the output's latent columns, so the
+    the rows on M, ``default_rows_on_m``) and the output's latent columns, so the
     output stays at 64 or 128 registers per thread (offline sm_90 compile: 165 / 228 registers,
     no spills). 64-row programs whose 16-bit tiles arrive by TMA are one-scorer programs instead
-    (``wgmma_decode.default_one_scorer``): the launch's ``num_warps`` is then 4, warpgroup 0's,
+    (``default_one_scorer``): the launch's ``num_warps`` is then 4, warpgroup 0's,
     and warpgroup 1 is a partition of its own.
     """
     block_m = rows_per_program(query_rows)
@@ -179,7 +178,7 @@ def wgmma_shared_memory(
     """Upper bound on the wgmma kernel's shared memory in bytes: the 16-bit query block, the KV
     ring and ``P^T``, plus 2 KB for alignment padding and the ring's barriers. ``float8``: kv_c
     in e4m3 (one byte per value in the ring) plus the fp16 tile it is converted into (16-row
-    programs that multiply in float8, ``wgmma_decode.default_float8_products``, need no such
+    programs that multiply in float8, ``default_float8_products``, need no such
     tile and take less: 101,932 bytes at two slots, offline sm_90). 64 rows,
     L=512, R=64, 16-bit: 231424 (the offline sm_90 compile allocates 230416; an H100 allows
     232448)."""
@@ -193,13 +192,14 @@ def wgmma_shared_memory(
 
 def wgmma_stages(block_m: int, kv_len: int, rope_len: int, float8: bool, shared_memory: int) -> int:
     """Ring slots of the wgmma kernel: three where they fit in ``shared_memory`` (a float8 cache
-    at 32 rows), else two (the fewest its pipeline takes). 16-row programs take two: over a
-    float8 cache three were 1-2.5 % slower on four H100 machines (a8, d8, e8; NOTES.md item 51),
-    their loop being bound by its one math warpgroup's chain of work per tile (its shared-memory
-    traffic, item 55), not by the bytes in flight; a float8 query's loop, nearer its copies, was
-    2-5 % slower with three too (items 52-56), and float8 products (their first build) with three
-    to five slots 2.3-8 % slower on the H100, where the copies alone ran as fast with two as with
-    five (item 57)."""
+    at 32 rows), else two (the fewest its pipeline takes). 16-row programs take two: over a float8
+    cache three were 1-2.5 % slower on four H100 machines (the float8 forms of h16_b128_4k,
+    h16_b4_64k and h16_b64_8k_ragged), their loop being bound by its one math warpgroup's chain of
+    work per tile (its shared-memory traffic), not by the bytes in flight; a float8 query's loop,
+    nearer its copies, was 2-5 % slower with three too, and float8 products (their first build) with
+    three to five slots 2.3-8 % slower on the H100, where the copies alone ran as fast with two as
+    with
+    five."""
     if block_m <= 16:
         return 2
     fits = wgmma_shared_memory(block_m, kv_len, rope_len, 3, float8) <= shared_memory
@@ -213,7 +213,7 @@ def wgmma_support(
     block_table: torch.Tensor | None,
     attn_mask: torch.Tensor | None,
 ) -> tuple[bool, str]:
-    """Whether ``mla::decode`` runs the Gluon wgmma kernel (``wgmma_decode``) and, if not, why,
+    """Whether ``mla::decode`` runs the Hopper kernel (``hopper``) and, if not, why,
     from shapes, dtypes and the device only (so the planner can ask under tracing too)."""
     if not device.has_wgmma(q.device):
         return False, "needs Hopper (compute capability 9.0), compiled kernels and Triton's Gluon"
@@ -254,7 +254,7 @@ def _float8_pe_refusal(k_pe: torch.Tensor) -> str | None:
     """Why the wgmma kernel cannot take a float8 ``k_pe`` (None if it can): it reads one at
     DeepSeek's RoPE width of 64, the width the GPU tests cover; 16-row programs of width 512 over
     whole 64-token pages multiply it in float8, every other program converts it to fp16 as it
-    does a float8 ``kv_c`` (NOTES.md items 58 and 62). Elsewhere the Triton kernel takes the
+    does a float8 ``kv_c``. Elsewhere the Triton kernel takes the
     call."""
     if k_pe.shape[-1] != 64:
         return (
@@ -296,15 +296,14 @@ def wgmma_path(
 
 # Sequence lengths one decode program sums per step for a balanced split (``total_splits``).
 # Fixed, not the batch's power of two: one compiled kernel for every batch size, and on an H100
-# a 32-wide block left the 64-row kernel with 168 spilled registers instead of 22 (case (b) 1.57x
-# slower); 128- and 1024-wide blocks ran as fast as the unbalanced kernel (benchmarks/NOTES.md
-# item 21).
+# a 32-wide block left the 64-row kernel with 168 spilled registers instead of 22 (h128_b32_4k 1.57x
+# slower); 128- and 1024-wide blocks ran as fast as the unbalanced kernel.
 LENGTHS_PER_STEP = 128
 
 
 # Programs per multiprocessor that the combine keeps when it widens its column blocks
-# (combine_tiling): (b)'s 4096 wide programs on 132 multiprocessors (31 each) gained, (e)'s 1024
-# (7.8 each) lost (NOTES.md item 50).
+# (combine_tiling): (h128_b32_4k)'s 4096 wide programs on 132 multiprocessors (31 each) gained,
+# (h16_b64_8k_ragged)'s 1024 (7.8 each) lost.
 COMBINE_WIDE_PROGRAMS_PER_SM = 16
 
 
@@ -313,14 +312,13 @@ def combine_tiling(
 ) -> tuple[int, int]:
     """The combine kernel's ``(BLOCK_S, BLOCK_L)``: every split of a ``BLOCK_L``-column block of
     one row per program (2 warps), about 4096 partial values. Measured on an H100 against the
-    former fixed 128 columns x 4 warps: 11-18 % faster with 64 splits and 2x with 1 split
-    (NOTES.md item 18).
+    former fixed 128 columns x 4 warps: 11-18 % faster with 64 splits and 2x with 1 split.
 
     Where the 256-column cap, not the 4096 values, set the width (up to 8 splits), twice the
     columns (at most 512) if ``rows`` leave every one of ``multiprocessors`` at least
     ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs even so: inside a call, where the combine follows
-    the decode's last programs, (b)'s 4096 rows of 4 splits took 1.4 us less in 512-column
-    programs than in 256, while (e)'s 1024 rows took 0.4 us more (item 50)."""
+    the decode's last programs, (h128_b32_4k)'s 4096 rows of 4 splits took 1.4 us less in 512-column
+    programs than in 256, while (h16_b64_8k_ragged)'s 1024 rows took 0.4 us more."""
     block_s = next_pow2(num_splits, floor=2)
     block_l = min(next_pow2(kv_len), max(32, min(256, 4096 // block_s)))
     wide = min(2 * block_l, 512, next_pow2(kv_len))
@@ -400,12 +398,12 @@ def default_one_scorer(block_m: int, float8: bool, gather: bool) -> bool:
 
 def default_float8_products(block_m: int, kv_len: int, float8: bool, gather: bool) -> bool:
     """Whether a float8 ``kv_c`` is multiplied in float8 (``launch(float8_products=True)``,
-    ``_float8_tile``): 16-row programs (one math warpgroup, whose staged fp16 tile was bound by
-    its shared-memory traffic, NOTES.md item 55) of DeepSeek's width L = 512 (the ``V^T``
-    register operand's row permutation is built for it) over copy-engine tiles. On an H200
-    20 % faster than the fp16 products on (a8) (100 against 125 us), 17 % on (d8), 14 % on (e8);
-    on an H100, whose float8 loop runs at its copies' rate either way, level to 0.6 % slower
-    (NOTES.md item 57). 32- and 64-row programs (two math warpgroups) and gathered tiles keep the
+    ``_float8_tile``): 16-row programs (one math warpgroup, whose staged fp16 tile was bound by its
+    shared-memory traffic) of DeepSeek's width L = 512 (the ``V^T`` register operand's row
+    permutation is built for it) over copy-engine tiles. On an H200 20 % faster than the fp16
+    products on (h16_b128_4k_fp8) (100 against 125 us), 17 % on the float8 form of h16_b4_64k, 14 %
+    on h16_b64_8k_ragged's; on an H100, whose float8 loop runs at its copies' rate either way, level
+    to 0.6 % slower. 32- and 64-row programs (two math warpgroups) and gathered tiles keep the
     fp16 staging tile."""
     return float8 and block_m == 16 and kv_len == 512 and not gather
 
@@ -417,7 +415,7 @@ def default_longest_first(
     balanced plan (``total_splits``) of at most ``lengths_per_step`` sequences (one block of
     lanes ranks them) and ``LONGEST_FIRST_MAX_SPLITS`` splits. Programs with the rows on M keep
     the split-major order: with the chunk held in registers across their loop, ptxas spilled
-    168-176 bytes (offline sm_90 compile, Triton 3.6; NOTES.md item 39)."""
+    168-176 bytes (offline sm_90 compile, Triton 3.6)."""
     return _can_rank(batch, num_splits, total_splits, lengths_per_step) and not rows_on_m
 
 

@@ -35,7 +35,7 @@ def _e4m3_to_f16(x):
     Declared impure on purpose: the compiler moves a pure conversion (Triton's own cast included)
     past the shared-memory read of the ``P @ V`` operand, where a float8 tile can only be read
     byte by byte; an impure one stays here, so the tile is converted once in registers and
-    stored as fp16 (a8: 259 -> 206-219 us on an H100, NOTES.md item 19).
+    stored as fp16 (h16_b128_4k_fp8: 259 -> 206-219 us on an H100).
     """
     return tl.inline_asm_elementwise(
         asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
@@ -240,7 +240,7 @@ def _mla_decode_kernel(
     qk_nope_scale = nope_scale
     if KV_F16:
         # A float8 kv_c becomes fp16 in one instruction per pair, exactly (e4m3 is a subset of
-        # fp16); to bf16 it takes that plus one more per element (NOTES.md item 19). The nope
+        # fp16); to bf16 it takes that plus one more per element. The nope
         # dots and P @ V then run in fp16, so the bf16 query moves
         # into fp16's normal range by a power of two (exact; its largest value lands in
         # (2^13, 2^14], clear of overflow and of subnormals), given back with the scores' scale.
@@ -261,7 +261,7 @@ def _mla_decode_kernel(
         # Every row here is one query position (S_q = 1, or heads a multiple of BLOCK_M): key
         # visibility and the mask row are one [1, BLOCK_N] vector broadcast over the heads, not a
         # [BLOCK_M, BLOCK_N] tile of equal rows. On an H100 a float mask then costs 1.04-1.06x the
-        # unmasked call instead of 1.12-1.13x (benchmarks/NOTES.md item 22).
+        # unmasked call instead of 1.12-1.13x.
         key_pos = tl.zeros([1], dtype=tl.int32) + (row_block * BLOCK_M) // H
         pos_ok = key_pos < S_Q
     else:
@@ -296,7 +296,7 @@ def _mla_decode_kernel(
             # A key hidden from every row here (left padding) is not read at all: it may hold NaN
             # (Hugging Face's eager float64 prefill writes NaN at pad positions), and leaving it
             # out of the load predicate costs nothing, where zeroing the loaded tile afterwards
-            # cost a pass over it (2.1-2.6x slower, benchmarks/NOTES.md item 15).
+            # cost a pass over it (2.1-2.6x slower).
             tok_ok = tok_ok & (tl.max(visible.to(tl.int32), 0) > 0)
         if USE_TMA:
             # The tile lies inside one page (split starts are multiples of GRANULE, a multiple of
@@ -314,10 +314,10 @@ def _mla_decode_kernel(
             ld = tok_ok & page_ok
             # Rows past the sequence's end hold stale cache data (maybe NaN): zero them so that
             # p = 0 times them stays 0 in P @ V.
-            # Operation order matters to the compiled loop (NOTES.md item 20): the 16-bit tile as
+            # Operation order matters to the compiled loop: the 16-bit tile as
             # one expression (predicate first); as three statements a masked decode cost
             # 1.34-1.92x the unmasked one on an H100 instead of 1.04-1.10x. The float8 PTX path
-            # stays in the order it was measured in (item 19b).
+            # stays in the order it was measured in.
             if PTX_CONVERT:
                 kv = KV_DESC.load([row0, 0])
                 kv = _e4m3_to_f16(kv)
@@ -380,11 +380,11 @@ def _mla_decode_kernel(
         m_i = m_new
 
     if LAUNCH_DEPENDENTS:
-        # The combine may launch once every program is past its loop (an empty split, which
-        # returned above, counts at its exit); it waits on the device for this grid's writes.
-        # At the entry instead, the benchmark's calls took 0.5-1.3 us longer on an H200 with
-        # this kernel ((c), (d), (e); (b) level), as they did with the wgmma kernel (NOTES.md
-        # items 84 and 85).
+        # The combine may launch once every program is past its loop (an empty split, which returned
+        # above, counts at its exit); it waits on the device for this grid's writes. At the entry
+        # instead, the benchmark's calls took 0.5-1.3 us longer on an H200 with this kernel
+        # ((h128_b1_32k), (h16_b4_64k), (h16_b64_8k_ragged); (h128_b32_4k) level), as they did with
+        # the wgmma kernel.
         gdc_launch_dependents()
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

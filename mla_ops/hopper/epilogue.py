@@ -50,13 +50,14 @@ def _merge_splits(
     run by the split program that arrives last.
 
     Every split's values of a column block are one load (``[MAX_SPLITS, CHUNK_L, BLOCK_M]``, each
-    thread holding all splits of its columns), so the reads are in flight together rather than
-    one dependent L2 round trip per split (a loop over splits cost (b) 15 % of its call). Read with
+    thread holding all splits of its columns), so the reads are in flight together rather than one
+    dependent L2 round trip per split (a loop over splits cost (h128_b32_4k) 15 % of its call). Read
+    with
     ``.cg``: from L2, never a stale L1 line."""
     # A warp's 32 lanes span the block's columns and, where a warp holds 16 or more rows (a
     # one-scorer program: 64 rows on 4 warps), also 4 rows, with 16-byte loads: a thread holding
     # 16 rows of every split spilled 1,912 bytes there (sm_90, Triton 3.6); 4 rows of 4 columns
-    # spill nothing and merged 64-row blocks 5-20 % faster (NOTES.md item 45).
+    # spill nothing and merged 64-row blocks 5-20 % faster.
     ROW_LANES: gl.constexpr = 4 if BLOCK_M // num_warps >= 16 else 1
     VEC: gl.constexpr = 4 if ROW_LANES > 1 else 2
     CHUNK_L: gl.constexpr = min(32 if ROW_LANES > 1 else 64, L)
@@ -100,12 +101,12 @@ def _merge_splits(
     row_layout: gl.constexpr = gl.SliceLayout(0, split_layout)
     lse_out = gl.convert_layout(s_idx * stride_gs + h_idx * stride_gh, row_layout)
     gl.store(LSE_OUT + b64 * stride_gb + lse_out, lse, mask=gl.convert_layout(row_ok, row_layout))
-    # Column blocks software-pipelined: the next block's loads are issued before this block's
-    # stores (which the compiler cannot reorder loads across: they might alias). In one-scorer
-    # programs the blocks are a loop, not unrolled: the merge runs once per program, and the
-    # unrolled code (2,300 instructions) ran from a cold instruction cache, its warps stalled on
-    # instruction fetch (ncu); rolled, (b)'s merge took 5-10 us less, while 16-row programs
-    # merged 1.0-1.8 us slower rolled than unrolled (NOTES.md item 45).
+    # Column blocks software-pipelined: the next block's loads are issued before this block's stores
+    # (which the compiler cannot reorder loads across: they might alias). In one-scorer programs the
+    # blocks are a loop, not unrolled: the merge runs once per program, and the unrolled code (2,300
+    # instructions) ran from a cold instruction cache, its warps stalled on instruction fetch (ncu);
+    # rolled, (h128_b32_4k)'s merge took 5-10 us less, while 16-row programs merged 1.0-1.8 us
+    # slower rolled than unrolled.
     NUM_BLOCKS: gl.constexpr = L // CHUNK_L
     part = _merge_block_load(part_rows, offs_c, stride_od, read, 0, CHUNK_L)
     if ROW_LANES > 1:
@@ -162,9 +163,9 @@ def _store_output_half(
 
     Why from the accumulator: handing warpgroup 1's half to warpgroup 0 through shared memory and
     storing both halves from 4 warps took 7.2 us after the loop, 5.3 of them in the stores
-    (stamps, NOTES.md item 48). In this layout a warp's float32 store covers 8 rows x 32 bytes,
+    (stamps). In this layout a warp's float32 store covers 8 rows x 32 bytes,
     whole sectors. 16-bit final rows would go out in 16-byte pieces, half sectors, which cost
-    (f) 2 % (item 48): they are staged through the query's shared memory (``q_smem``, dead once
+    (h128_b64_4k_sq2) 2 %: they are staged through the query's shared memory (``q_smem``, dead once
     the last tile is scored) and stored 16 bytes a lane, 128 bytes a row.
 
     ``WIDTH``: the part's columns when not ``L/2`` (query-in-registers programs; the
@@ -184,7 +185,7 @@ def _store_output_half(
     out = o * (kv_scale / l_safe)[:, None]
     out = gl.where(poisoned, float("nan"), out)
     # The condition spelled out in each if: held in a variable, its constant False (no MERGE)
-    # became a runtime branch around a store, which Triton 3.6 fails to lower (NOTES.md item 33).
+    # became a runtime branch around a store, which Triton 3.6 fails to lower.
     if MERGE and n_real == 1:
         stage = q_smem.slice(COL0, PART, dim=1)
         stage.store(out.to(q_smem.dtype))

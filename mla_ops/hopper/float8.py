@@ -36,7 +36,7 @@ def _convert_chunk(
         # Every other tile without the select, converted in this branch of its own: a select per
         # 16-bit value (or a conversion shared with the branch that selects) costs the unpacking
         # of each converted pair and its repacking, 4.5 more instructions per pair in the sm_90
-        # SASS (791 instead of 178 per thread and tile; NOTES.md item 37).
+        # SASS (791 instead of 178 per thread and tile).
         dst.slice(c, CHUNK, dim=1).store(src.slice(c, CHUNK, dim=1).load(layout).to(gl.float16))
 
 
@@ -92,17 +92,16 @@ def _float8_tile(
 def _float8_vt(kv, vt_layout: gl.constexpr):
     """A float8 ring slot ``kv [BLOCK_N, L]``'s ``V^T`` in the wgmma A operand ``vt_layout``
     (rows permuted: ``_VT_OFFSET_BASES``): ``ldmatrix.trans`` of 16-bit pairs, then one byte
-    permute per operand register (the 16-byte loads this replaced needed three: NOTES.md item 59).
+    permute per operand register (the 16-byte loads this replaced needed three).
 
-    Read after the softmax's row maxima, not under the scores: its 32 KB of loads then queued
-    ahead of the maxima's shuffles in the shared-memory pipe (ncu: 13 % of the loop's samples on
-    the first shuffle's result), and issued late they took (a8e) from 94.4-95.0 to 90.7-90.8 us
-    on an H200 ((d8e) 4.5 %, (e8e) 3 %; issued before the scores, 93.1-93.4; NOTES.md item 58).
-    ``_consume_tiles`` hands the slot back right after these loads, behind a barrier of the
-    warps: handed back without one, loads still queued read the next tile's bytes (an H200
-    measured wrong outputs, and NaN from stale rows; NOTES.md item 57). Handed back there
-    instead of after P.V, with P.V left in flight, (a8e) was 3.4 % faster on an H200 (NOTES.md
-    item 59)."""
+    Read after the softmax's row maxima, not under the scores: its 32 KB of loads then queued ahead
+    of the maxima's shuffles in the shared-memory pipe (ncu: 13 % of the loop's samples on the first
+    shuffle's result), and issued late they took (h16_b128_4k_fp8row) from 94.4-95.0 to 90.7-90.8 us
+    on an H200 (the whole-row float8 forms of h16_b4_64k 4.5 %, h16_b64_8k_ragged 3 %; issued before
+    the scores, 93.1-93.4). ``_consume_tiles`` hands the slot back right after these loads, behind a
+    barrier of the warps: handed back without one, loads still queued read the next tile's bytes (an
+    H200 measured wrong outputs, and NaN from stale rows). Handed back there instead of after P.V,
+    with P.V left in flight, (h16_b128_4k_fp8row) was 3.4 % faster on an H200."""
     BLOCK_N: gl.constexpr = kv.shape[0]
     L: gl.constexpr = kv.shape[1]
     pairs_view = _reinterpret(
@@ -121,12 +120,13 @@ def _float8_vt(kv, vt_layout: gl.constexpr):
 @gluon.jit
 def _zero_stale_byte_rows(kv, tile_start, end):
     """Zero the rows at or past ``end`` of a float8 ring slot ``kv [BLOCK_N, L]`` (128-byte
-    swizzle), as 32-bit words: each row's bytes are the 128-byte segments at ``slab * BLOCK_N *
-    128 + row * 128`` (the swizzle only permutes 16-byte units within a segment), so the rows
-    are found without the swizzle and no byte is selected alone. ``_await_tile``'s zeroing (a
-    select and repacking per e4m3 byte) in its place was as correct and 3.3 % slower on (e8),
-    whose ragged chunks mostly end in a partial tile (H200: 64.2-64.4 against 62.2-62.3 us;
-    (a8) and (d8) 0.3-0.5 %; NOTES.md item 57). Fenced for the tensor cores, and a barrier: every
+    swizzle), as 32-bit words: each row's bytes are the 128-byte segments at ``slab * BLOCK_N * 128
+    + row * 128`` (the swizzle only permutes 16-byte units within a segment), so the rows are found
+    without the swizzle and no byte is selected alone. ``_await_tile``'s zeroing (a select and
+    repacking per e4m3 byte) in its place was as correct and 3.3 % slower on the float8 form of
+    h16_b64_8k_ragged, whose ragged chunks mostly end in a partial tile (H200: 64.2-64.4 against
+    62.2-62.3 us; (h16_b128_4k_fp8 and the float8 form of h16_b4_64k 0.3-0.5 %). Fenced for the
+    tensor cores, and a barrier: every
     warp then reads ``V^T`` rows that others zeroed."""
     BLOCK_N: gl.constexpr = kv.shape[0]
     SEGMENTS: gl.constexpr = kv.shape[1] // 128
@@ -159,7 +159,7 @@ def _e4m3_terms(q32):
     precision."""
     # Rounded to e4m3's 4 significant bits in float32 (exact in e4m3 for normal values), not by
     # converting the e4m3 values back: Triton 3.6's e4m3 -> float32 of this layout returned
-    # other elements' values (measured on an H200; NOTES.md item 57).
+    # other elements' values (measured on an H200).
     bits = q32.to(gl.int32, bitcast=True)
     q_round = ((bits + 0x80000) & -1048576).to(gl.float32, bitcast=True)
     q_terms = gl.join(

@@ -135,8 +135,8 @@ def _mla_decode_wgmma_kernel(
 
     # Which chunk (split, sequence) this program takes. Splits vary slowest: every sequence's
     # first chunk, then every second one, ... (a uniform batch's real programs fill the first
-    # wave; NOTES.md item 26). LONGEST_FIRST, over a batch of unequal lengths: every full chunk,
-    # then the partial last chunks longest first, then the empty ones (_longest_first; item 39).
+    # wave). LONGEST_FIRST, over a batch of unequal lengths: every full chunk,
+    # then the partial last chunks longest first, then the empty ones (_longest_first).
     num_row_blocks: gl.constexpr = (S_Q * H + BLOCK_M - 1) // BLOCK_M
     work = pid // num_row_blocks
     row_block = pid % num_row_blocks
@@ -181,9 +181,9 @@ def _mla_decode_wgmma_kernel(
     n_real = gl.cdiv(seqlen, chunk)  # the sequence's chunks (MERGE: 1 writes the final rows)
     if start >= end:
         # An empty split: the contract's zeros and -inf, nothing read (FILL_EMPTY off: the -inf
-        # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (a), (d), (e),
-        # NOTES item 26). MERGE: nothing, unless the whole sequence is empty (split 0 is empty
-        # only then), whose final rows are zeros and -inf.
+        # alone; the zeros of the planner's headroom splits cost 1.8-3.4 % of (h16_b128_4k),
+        # (h16_b4_64k), (h16_b64_8k_ragged)). MERGE: nothing, unless the whole
+        # sequence is empty (split 0 is empty only then), whose final rows are zeros and -inf.
         zeros = gl.zeros([L, BLOCK_M], gl.float32, layout=st_layout)
         no_key = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(0, st_layout))
         if MERGE:
@@ -306,7 +306,7 @@ def _mla_decode_wgmma_kernel(
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
         )
-        # The query's loads go out first (NOTES.md item 43), 16 bytes a load; the prologue's
+        # The query's loads go out first, 16 bytes a load; the prologue's
         # copies follow.
         q_rows = _load_query_operand(
             Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, 0, L, BLOCK_M,
@@ -449,7 +449,7 @@ def _mla_decode_wgmma_kernel(
     else:
         if ROWS_ON_M or ONE_SCORER:
             # The query's loads go out first: issued after the prologue's copies they queue
-            # behind every program's first tiles (NOTES.md item 43).
+            # behind every program's first tiles.
             q_nope, q_pe = _load_query(
                 Q, b64, row_block, stride_qb, stride_qs, stride_qh, stride_qd, S_Q, H, L, R,
                 BLOCK_M, HAS_PE, io_layout,
@@ -555,11 +555,12 @@ def _mla_decode_wgmma_kernel(
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(free.index(i))
-    # Programmatic dependent launch: the combine may launch once every program is past its loop
-    # (an empty split, which returned above, counts at its exit); it waits on the device for
-    # this grid's writes (triton_kernels.has_pdl). Issued at the program's entry instead, which
-    # launched the combine while the decode still streamed, the benchmark's calls that run the
-    # combine, (b)-(e), took 0.5-1.2 us longer on an H200 ((d) 1.0-1.2 us; NOTES.md item 84).
+    # Programmatic dependent launch: the combine may launch once every program is past its loop (an
+    # empty split, which returned above, counts at its exit); it waits on the device for this grid's
+    # writes (device.has_pdl). Issued at the program's entry instead, which launched the
+    # combine while the decode still streamed, the benchmark's calls that run the combine,
+    # (h128_b32_4k)-(h16_b64_8k_ragged), took 0.5-1.2 us longer on an H200 ((h16_b4_64k) 1.0-1.2
+    # us).
     gl.inline_asm_elementwise(
         "griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
         is_pure=False, pack=1,

@@ -85,15 +85,15 @@ def _conversion_layout(num_warps, chunk):
     threads along 64 columns, lanes 8-15 four rows below lanes 0-7 and lanes 16-31 one row below
     lanes 0-15.
 
-    Why those rows: a float8 tile at least 128 columns wide and the fp16 one both have 128-byte
-    rows whose 16-byte chunks are swizzled by the row's index mod 8. An fp16 store serves 8 lanes
-    at a time, which here cover one 128-byte row. An 8-byte float8 load serves 16 lanes at a
-    time, which cover 64 bytes of two rows; rows ``r`` and ``r + 4`` put them on opposite halves
-    of the banks, where ``r`` and ``r + 1`` (the 16-bit ``io`` layout's rows) put them on the
-    same half, a two-way conflict (ncu on (a8): 2.1 of 4.6 million load wavefronts with ``io``,
-    none left with these rows; the float8 cases 3.8-5 % faster). 16 values per thread, the layout
-    before ``io``, had its stores conflict instead (4.4 of 8.9 million). A 64-column float8 tile
-    has 64-byte rows, where ``io`` has no conflict. NOTES.md items 52-53."""
+    Why those rows: a float8 tile at least 128 columns wide and the fp16 one both have 128-byte rows
+    whose 16-byte chunks are swizzled by the row's index mod 8. An fp16 store serves 8 lanes at a
+    time, which here cover one 128-byte row. An 8-byte float8 load serves 16 lanes at a time, which
+    cover 64 bytes of two rows; rows ``r`` and ``r + 4`` put them on opposite halves of the banks,
+    where ``r`` and ``r + 1`` (the 16-bit ``io`` layout's rows) put them on the same half, a two-way
+    conflict (ncu on (h16_b128_4k_fp8): 2.1 of 4.6 million load wavefronts with ``io``, none left
+    with these rows; the float8 cases 3.8-5 % faster). 16 values per thread, the layout before
+    ``io``, had its stores conflict instead (4.4 of 8.9 million). A 64-column float8 tile
+    has 64-byte rows, where ``io`` has no conflict.."""
     if chunk < 128:
         return _copy_layouts(num_warps, False)[0]
     warp_bits = num_warps.bit_length() - 1
@@ -128,9 +128,10 @@ FLAG_LAYOUT = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))
 GATHER_CHUNK = 128
 
 
-# Columns of a float8 tile converted at a time (_conversion_chunk): 256 measured 1.2-2 % faster
-# than 128 on (a8), (d8) and (e8), and 512 no faster than 256; each chunk ends at a barrier of the
-# math warps (the staging tile's stores), and fewer chunks mean fewer (NOTES.md item 53).
+# Columns of a float8 tile converted at a time (_conversion_chunk): 256 measured 1.2-2 % faster than
+# 128 on the float8 forms of h16_b128_4k, h16_b4_64k and h16_b64_8k_ragged, and 512 no faster than
+# 256; each chunk ends at a barrier of the math warps (the staging tile's stores), and fewer chunks
+# mean fewer.
 FP8_CONVERT_CHUNK = 256
 
 

@@ -49,8 +49,7 @@ def _score_tiles(
 
     Why: when both warpgroups score half of the tile's tokens each (``_consume_rows_on_m``), each
     reads the whole 64 x 576 query from shared memory for its 32 tokens, and the scores run at the
-    shared-memory bound (1840 clocks per tile against 1221 for one warpgroup scoring all 64;
-    NOTES.md item 43).
+    shared-memory bound (1840 clocks per tile against 1221 for one warpgroup scoring all 64).
 
     At the end: warpgroup 1's count of tokens at invalid cache locations (``done``, its first
     phase), the final row sums to warpgroup 1 through ``alpha_smem`` (``p_ready``, once more),
@@ -61,11 +60,10 @@ def _score_tiles(
     ``HAS_MASK``: an attention mask. At S_q = 1 its one row per tile is prepared by whoever
     issues the tile's copy (the prologue, then warpgroup 1: ``_prepare_mask_terms``) into
     ``terms_smem``/``hidden_smem`` beside the ring slot, so this warpgroup only selects keys by
-    them and adds a float mask's bias (NOTES.md item 69; loading and decoding the row here cost
-    the loop 1.20x). Otherwise
+    them and adds a float mask's bias. Otherwise
     a row per query position is loaded under the tile's own scores (``_mask_load``). The value
     rows of keys it hides from every row are zeroed in the slot before ``P`` is handed over, so
-    that both warpgroups' P.V read them zeroed (NOTES.md item 64).
+    that both warpgroups' P.V read them zeroed.
     """
     BLOCK_N: gl.constexpr = kv_ring.shape[1]
     dtype: gl.constexpr = q_smem.dtype
@@ -92,7 +90,7 @@ def _score_tiles(
         if HAS_MASK and not PREPARED:
             # A row per query position, loaded in the tile that uses it, under its scores: a
             # tile ahead, the two 64 x 64 tiles of values in flight made ptxas spill 56-136 bytes
-            # (NOTES.md item 64).
+            # .
             mask_raw = _mask_load(
                 MASK, b64, row_block, tile_start, end, stride_mb, stride_ms, stride_mt, MASK_LEN,
                 S_Q, H, BLOCK_M, BLOCK_N, MASK_IS_BOOL, s_layout, 1, False,

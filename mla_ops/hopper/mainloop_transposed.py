@@ -40,12 +40,12 @@ def _tile_scores(
     (complete).
 
     A float8 tile is converted (``CHUNK`` columns at a time, in ``conv_layout``) into ``stage``
-    (zeroing the rows past ``end`` on the way) while the tensor cores run its RoPE scores, and
-    the nope scores read it there; they take ``nope_scale`` (kv_scale and the query's power of
-    two) in float32, apart from the RoPE part's, so the fp16 query needs no rounding. With
-    ``HAND_BACK`` (a producer partition) its ring slot goes back on ``free`` before the nope
-    scores are waited for: 0.4-0.8 % faster on (a8), (d8) and (e8), level on page size 1 (NOTES.md
-    item 53). ``PE_FP8``: the slot's ``k_pe`` is float8 too; it is converted into ``pe_stage``
+    (zeroing the rows past ``end`` on the way) while the tensor cores run its RoPE scores, and the
+    nope scores read it there; they take ``nope_scale`` (kv_scale and the query's power of two) in
+    float32, apart from the RoPE part's, so the fp16 query needs no rounding. With ``HAND_BACK`` (a
+    producer partition) its ring slot goes back on ``free`` before the nope scores are waited for:
+    0.4-0.8 % faster on the float8 forms of h16_b128_4k, h16_b4_64k and h16_b64_8k_ragged, level on
+    page size 1. ``PE_FP8``: the slot's ``k_pe`` is float8 too; it is converted into ``pe_stage``
     first (``[BLOCK_N, R]`` fp16, 16 values per thread at 8 warps), and its scores take the nope
     scores' scale (``_store_query``).
     """
@@ -156,7 +156,7 @@ def _consume_tiles(
         # The running sum as per-thread partial sums shaped like the scores, summed across the
         # four warps once after the loop instead of once per tile: 5 % of a float8 tile's time
         # (its loop is bound by this warpgroup's serial chain); a 16-bit tile's loop, bound by
-        # its copies, measured 0.8 % slower with it on (d) (NOTES.md item 37).
+        # its copies, measured 0.8 % slower with it on (h16_b4_64k).
         l_i = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=s_layout)
     else:
         l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(0, s_layout))
@@ -177,7 +177,7 @@ def _consume_tiles(
 
     # One tile at a time: scores, softmax, P.V. (Issuing tile i+1's scores before tile i's P.V,
     # to overlap the softmax with the P.V, measured slower: with two slots, tile i's P.V then
-    # waits for tile i+1's copy. NOTES.md item 24.)
+    # waits for tile i+1's copy..)
     for i in range(n_tiles):
         slot = i % NUM_STAGES
         tile_start = start + i * BLOCK_N
@@ -231,7 +231,7 @@ def _consume_tiles(
             # V^T is in registers and the scores' products have read the slot: it goes back to
             # the copies now, not after P.V (which reads only registers and p_smem). The barrier
             # makes every warp's loads complete first (handed back without one, loads still
-            # queued read the next tile's bytes: NOTES.md item 57).
+            # queued read the next tile's bytes:).
             _thread_barrier()
         # A float8 slot is converted (or in registers) and its k_pe read by now: refill it here,
         # not after P.V (a converted slot with a producer partition: _tile_scores has handed it

@@ -30,7 +30,7 @@ def _longest_first(
     sequence by sequence; then the partial last chunks, longest first (ties in sequence order);
     then the empty chunks. The blocks are dispatched roughly in program order, so the long
     chunks start in the first wave and the late programs are the short ones (longest processing
-    time first; ragged case (e), NOTES.md item 39)."""
+    time first; ragged h16_b64_8k_ragged)."""
     # Sequences on the lanes; a [16, BLOCK_B] block compares 16 sequences' partials with all.
     lane_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     pair_layout: gl.constexpr = gl.BlockedLayout([16, 1], [1, 32], [1, num_warps], [0, 1])

@@ -29,11 +29,11 @@ def _row_start(
 @gluon.jit
 def _row_max_across_warps(s_t, max_smem):
     """The row maxima of ``S^T [64, 16]`` (tokens on the wgmma's M: 16 a warp, 4 warps), each
-    warp's own by its shuffles, then exchanged once through ``max_smem [4, 16]`` float32 behind
-    one barrier, in ``S^T``'s column layout. Triton's reduction across warps takes two barriers
-    and a second round of shuffles; with this one (float8 products, P.V in flight) (a8e) was
-    1.2 % and (a8) 1.1 % faster on an H200 (NOTES.md item 59). The caller alternates two
-    buffers: a warp can write tile i + 2's maxima only after every warp has passed tile i + 1's
+    warp's own by its shuffles, then exchanged once through ``max_smem [4, 16]`` float32 behind one
+    barrier, in ``S^T``'s column layout. Triton's reduction across warps takes two barriers and a
+    second round of shuffles; with this one (float8 products, P.V in flight) (h16_b128_4k_fp8row)
+    was 1.2 % and (h16_b128_4k_fp8) 1.1 % faster on an H200. The caller alternates two buffers: a
+    warp can write tile i + 2's maxima only after every warp has passed tile i + 1's
     barriers, so after every warp has read tile i's."""
     BLOCK_N: gl.constexpr = s_t.shape[0]
     BLOCK_M: gl.constexpr = s_t.shape[1]
@@ -176,8 +176,7 @@ def _zero_hidden_rows(
 @gluon.jit
 def _zero_hidden_columns(v_t, visible, tile_start, end):
     """``_zero_hidden_rows`` for float8 products: ``V^T``'s columns (tokens) in registers, not
-    the ring slot's rows (stores into the slot there made ptxas serialise the loop's wgmma:
-    NOTES.md item 63)."""
+    the ring slot's rows (stores into the slot there made ptxas serialise the loop's wgmma:)."""
     hidden = _hidden_keys(visible, tile_start, end, 0)
     if gl.max(hidden.to(gl.int32), 0) > 0:
         keep = gl.convert_layout(~hidden, gl.SliceLayout(0, v_t.type.layout))[None, :]

@@ -281,7 +281,7 @@ def poison_hidden_keys(case: DecodeCase) -> None:
 # For an offline compile's statements, with its PTX in ``ptx`` and a dict ``r``: the decode
 # kernel's combine launch triggers as ``r['trigger']`` = [how many, whether the PTX has an MMA at
 # all, whether the first trigger comes after every MMA and MMA wait (after the loop, not at the
-# program's entry)]. Both decode kernels expect [1, True, True] (NOTES.md items 84 and 85).
+# program's entry)]. Both decode kernels expect [1, True, True].
 TRIGGER_AFTER_LOOP = (
     "g = 'griddepcontrol.launch_dependents'; "
     "last = max(ptx.rfind(m) for m in ('wgmma.mma_async', 'wgmma.wait_group', 'mma.sync')); "

@@ -262,10 +262,10 @@ def test_deepseek_v3_shapes_gpu(heads: int, s_q: int, dtype: torch.dtype) -> Non
 @pytest.mark.parametrize(
     ("batch", "rows", "capacity", "expected"),
     [
-        # case (a): 2 resident programs x 132 SMs = 264 slots, 128 sequences: 2 chunks each
+        # h16_b128_4k: 2 resident programs x 132 SMs = 264 slots, 128 sequences: 2 chunks each
         (128, 16, 4096, (4, 256)),
-        (32, 128, 4096, (4, 64)),  # case (b): 1 resident 64-row program, 2 row blocks each
-        (1, 128, 32768, (64, 66)),  # case (c): long context, capped at MAX_SPLITS
+        (32, 128, 4096, (4, 64)),  # h128_b32_4k: 1 resident 64-row program, 2 row blocks each
+        (1, 128, 32768, (64, 66)),  # h128_b1_32k: long context, capped at MAX_SPLITS
         (1, 16, 300, (2, 264)),  # capped by capacity / MIN_CHUNK
         (512, 128, 4096, (2, 512)),  # more programs than slots: one chunk each on average
     ],
@@ -281,9 +281,9 @@ def test_planner_fills_one_wave(monkeypatch, batch, rows, capacity, expected) ->
 @pytest.mark.parametrize(
     ("batch", "capacity", "expected"),
     [
-        (128, 4096, (2, 128)),  # case (a): 132 slots, one chunk per sequence (uniform)
-        (4, 65536, (64, 132)),  # case (d): 33 chunks each, headroom capped at MAX_SPLITS
-        (64, 8192, (4, 128)),  # case (e): 2 chunks each on average
+        (128, 4096, (2, 128)),  # h16_b128_4k: 132 slots, one chunk per sequence (uniform)
+        (4, 65536, (64, 132)),  # h16_b4_64k: 33 chunks each, headroom capped at MAX_SPLITS
+        (64, 8192, (4, 128)),  # h16_b64_8k_ragged: 2 chunks each on average
     ],
 )
 def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected) -> None:
@@ -302,14 +302,14 @@ def test_planner_one_wgmma_program_per_sm(monkeypatch, batch, capacity, expected
         (16, 16448, True, (65, 132)),  # capped by capacity / MIN_CHUNK
         (16, 8192, True, (32, 132)),
         (64, 32768, True, (64, 132)),  # 64-row programs keep MAX_SPLITS
-        (128, 32768, True, (64, 66)),  # case (c): 64 chunks of 512 tokens fill the wave
+        (128, 32768, True, (64, 66)),  # h128_b1_32k: 64 chunks of 512 tokens fill the wave
         (16, 131072, False, (64, 264)),  # the Triton kernel keeps MAX_SPLITS
         (16, None, True, (64, 132)),  # so does an unknown capacity
     ],
 )
 def test_planner_single_sequence(monkeypatch, rows, capacity, wgmma, expected) -> None:
     """A batch of one sequence has no raggedness to leave headroom for: its wgmma programs of at
-    most 32 rows take as many chunks as one wave cuts its capacity into (NOTES.md item 65), and
+    most 32 rows take as many chunks as one wave cuts its capacity into, and
     every chunk of a full cache then has a program of its own."""
 
     monkeypatch.setattr(splits, "multiprocessor_count", lambda device: 132)

@@ -119,8 +119,9 @@ def test_combine_kernel_tiling(kernels, num_splits: int, width: int) -> None:
 def test_combine_tiling_widens_only_with_programs_to_spare() -> None:
     """Twice the columns (at most 512, never past the row, at most 4096 values a program) only
     where the rows still give every multiprocessor ``COMBINE_WIDE_PROGRAMS_PER_SM`` programs: case
-    (b)'s 4096 rows of 4 splits on 132 multiprocessors, not (e)'s 1024, not 64 splits, and never
-    without a device count (NOTES.md item 50)."""
+    (h128_b32_4k)'s 4096 rows of 4 splits on 132 multiprocessors, not (h16_b64_8k_ragged)'s 1024,
+    not 64 splits, and never
+    without a device count."""
 
     assert tiling.combine_tiling(4, 512) == (4, 256)
     assert tiling.combine_tiling(4, 512, rows=4096, multiprocessors=132) == (4, 512)
@@ -291,10 +292,10 @@ def test_default_config_fits_shared_memory() -> None:
     bf16_64 = tiling.triton_tiling(128, 512, 64, 2, 232448)
     assert bf16_64 == tiling.TritonTiling(64, 64, 8, 2, use_tma=False)  # TMA: 30-46 % slower, H100
     # Triton 3.9 gives it 221440 B offline; the H200's Triton 3.6 reported 221184
-    # (NOTES.md items 8, 76)
+    #
     assert 221440 <= tiling.shared_memory_bytes(bf16_64, 576, 2, 512) <= 232448
     assert tiling.triton_tiling(16, 512, 64, 2, 232448) == tiling.TritonTiling(16, 32, 4, 2)
-    # float8 tiles: 64 tokens, one stage, measured fastest on the H100 (NOTES.md item 19)
+    # float8 tiles: 64 tokens, one stage, measured fastest on the H100
     fp8_16 = tiling.triton_tiling(16, 512, 64, 2, 232448, float8_cache=True)
     assert fp8_16 == tiling.TritonTiling(16, 64, 4, 1)
     for rows, kv_len, size in [(16, 512, 4), (32, 512, 4), (128, 512, 4), (256, 512, 4),
@@ -302,7 +303,7 @@ def test_default_config_fits_shared_memory() -> None:
         cfg = tiling.triton_tiling(rows, kv_len, 64, size, 232448)
         assert tiling.shared_memory_bytes(cfg, kv_len + 64, size, kv_len) <= 232448
     # Dots 3 Note's sliding-window width: 64-row programs' float32 accumulator alone is 256 KB;
-    # of the tilings that fit, 32 x 32 was the fastest measured (NOTES.md item 76)
+    # of the tilings that fit, 32 x 32 was the fastest measured
     wide = tiling.triton_tiling(128, 1024, 64, 2, 232448)
     assert wide == tiling.TritonTiling(32, 32, 8, 2, use_tma=False)
     with pytest.raises(ValueError, match=r"kv_c width 8192 .* gives a program 232448"):
@@ -317,7 +318,7 @@ def test_default_config_fits_shared_memory() -> None:
 def test_shared_memory_bound_holds(rows: int, kv_len: int, dtype: str) -> None:
     """``shared_memory_bytes`` bounds what the installed Triton gives the default tiling, compiled
     for sm_90 offline (no GPU): a 64-row tiling at L = 1024 that the old estimate took for
-    208896 B asked the H200 for 262144 (NOTES.md item 76)."""
+    208896 B asked the H200 for 262144."""
 
     size = 4 if dtype == "fp32" else 2
     cfg = tiling.triton_tiling(rows, kv_len, 64, size, 232448)
@@ -336,7 +337,7 @@ def test_shared_memory_bound_holds(rows: int, kv_len: int, dtype: str) -> None:
 def test_combine_launches_once_the_loop_is_done(rows: int, dtype: str) -> None:
     """The decode kernel lets ``mla::combine`` launch (``griddepcontrol.launch_dependents``, PDL)
     once, after its loop's last product (offline sm_90 PTX): at the program's entry the
-    benchmark's calls that run the combine took 0.5-1.3 us longer on an H200 (NOTES.md item 85).
+    benchmark's calls that run the combine took 0.5-1.3 us longer on an H200.
     An empty split returns before the loop, and its exit counts as the trigger."""
 
     size = 4 if dtype == "fp32" else 2

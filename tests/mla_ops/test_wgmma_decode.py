@@ -87,7 +87,7 @@ FP8 = torch.float8_e4m3fn
 # A float8 cache multiplied in float8 (``tiling.default_float8_products``: the query as
 # two e4m3 terms, P in e4m3) against float64 attention over the dequantised cache: P's rounding
 # (e4m3 keeps 4 significant bits) moves each output by up to a few hundredths; the scores keep
-# about bf16's precision, so the LSE stays close (NOTES.md item 57).
+# about bf16's precision, so the LSE stays close.
 FLOAT8_PRODUCTS_TOLERANCE = (5e-2, 5e-2)
 FLOAT8_PRODUCTS_LSE_TOLERANCE = 2e-3
 
@@ -155,11 +155,11 @@ def _fp8_whole_case(seed: int, dtype: torch.dtype, **kw):
 @pytest.mark.parametrize("seed", range(8))
 def test_fp8_whole_cache(kernels, seed: int, dtype: torch.dtype) -> None:
     """kv_c and k_pe both in float8 (one tensor, one scale) against the float64 reference of
-    the dequantised cache: the wgmma kernel reads it at a RoPE width of 64, 16-row programs of
-    width 512 over whole 64-token pages with both parts' scores float8 products (NOTES.md item
-    58), every other program (32 and 64 rows, another kv_c width, gathered pages) converting both
-    parts to fp16 (item 62); another RoPE width runs the Triton kernel. The draws cover all three
-    (splits, empty sequences, partial last tiles, stale rows); S_q = 2 and 64-token pages are in
+    the dequantised cache: the wgmma kernel reads it at a RoPE width of 64, 16-row programs of width
+    512 over whole 64-token pages with both parts' scores float8 products, every other program (32
+    and 64 rows, another kv_c width, gathered pages) converting both parts to fp16; another RoPE
+    width runs the Triton kernel. The draws cover all three (splits, empty sequences, partial last
+    tiles, stale rows); S_q = 2 and 64-token pages are in
     ``test_fp8_cache_query_outside_fp16_range`` and
     ``test_float8_products_error_against_bf16_is_the_caches``."""
     import random
@@ -205,7 +205,7 @@ def test_fp8_whole_cache_converted(
 ) -> None:
     """The whole row in float8 where it is not multiplied in float8 (more than 16 query rows,
     another kv_c width, pages gathered row by row): k_pe converted to fp16 like kv_c, the RoPE
-    query in fp16 under the nope part's power of two (NOTES.md item 62). Exact conversions, so
+    query in fp16 under the nope part's power of two. Exact conversions, so
     the 16-bit tolerance against float64 attention over the dequantised cache; causal S_q > 1,
     splits, an empty sequence, partial last tiles and stale (NaN) rows."""
     case = _fp8_whole_case(
@@ -267,7 +267,7 @@ MASKED_SHAPES = {
 def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> None:
     """An ``attn_mask`` (left padding, random holes, a fully hidden query row, a mask shorter or
     longer than the cache; Hugging Face's ``finfo.min`` fill) read by the wgmma kernel's
-    transposed loop in every tiling it runs (NOTES.md item 63) and by the one-scorer loop (item
+    transposed loop in every tiling it runs and by the one-scorer loop (item
     64): 16-, 32- and 64-row programs, copy-engine and gathered tiles, float8 products and
     conversions; against the float64 reference, with NaN written at every key the mask hides
     from all queries (they must not leak: the kernel zeroes their value rows)."""
@@ -299,7 +299,7 @@ def test_attention_mask_in_the_wgmma_kernel(kernels, shape: str, kind: str) -> N
 def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -> None:
     """64-row programs over rows narrower than DeepSeek's (MiniCPM3: L=256, R=32, 40 heads), where
     a third ring slot would fit: the one-scorer loop keeps its two (it was handed three and
-    refused, NOTES.md item 76)."""
+    refused)."""
     case = make_case(
         1340 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=dims, heads=heads,
         s_q=1, lengths=[900, 0, 64, 333], causal=True, pair=False,
@@ -315,8 +315,8 @@ def test_one_scorer_on_narrow_rows(kernels, dims: tuple[int, int], heads: int) -
 @requires_hopper
 @pytest.mark.parametrize("heads", [16, 128])
 def test_attention_mask_merged_in_the_kernel(kernels, heads: int) -> None:
-    """``mla::attention`` with a mask and at most ``MERGE_MAX_SPLITS`` splits: the wgmma kernel
-    masks and writes the output itself (one chunk, or merged by the last to arrive), as the
+    """``mla::attention`` with a mask and at most ``tiling.MERGE_MAX_SPLITS`` splits: the wgmma
+    kernel masks and writes the output itself (one chunk, or merged by the last to arrive), as the
     float64 reference says."""
     case = make_case(
         1320 + heads, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64),
@@ -370,12 +370,12 @@ def test_float8_products_error_against_bf16_is_the_caches(
     kernels, monkeypatch, seed: int, heads: int, s_q: int
 ) -> None:
     """The issue's measure of a float8 cache: its output against float64 attention over the bf16
-    cache it was quantised from. Multiplied in float8 (16-row programs, width 512: the query as
-    two e4m3 terms, P in e4m3) the error stays within e4m3's precision (under 5 %, as
-    ``test_decode``'s bound) and within a quarter more than the fp16 products' (the cache's own
-    rounding dominates both: +1 % on bench_decode's a8; +15 % on this file's 6 query rows and a
-    2-token sequence, where P's rounding weighs more; with the query as one e4m3 term a8's error
-    was a third larger; NOTES.md items 56-57). Odd heads, S_q = 2 (causal), splits, partial last
+    cache it was quantised from. Multiplied in float8 (16-row programs, width 512: the query as two
+    e4m3 terms, P in e4m3) the error stays within e4m3's precision (under 5 %, as ``test_decode``'s
+    bound) and within a quarter more than the fp16 products' (the cache's own rounding dominates
+    both: +1 % on bench_decode's h16_b128_4k_fp8; +15 % on this file's 6 query rows and a 2-token
+    sequence, where P's rounding weighs more; with the query as one e4m3 term h16_b128_4k_fp8's
+    error was a third larger). Odd heads, S_q = 2 (causal), splits, partial last
     tiles, stale rows (NaN)."""
 
     case = make_case(
@@ -758,7 +758,7 @@ def test_attention_bad_page_poisons_only_its_sequence(kernels, page_size: int) -
 
 @requires_hopper
 def test_attention_over_merge_max_splits_uses_the_combine(kernels) -> None:
-    """More splits than ``MERGE_MAX_SPLITS``: decode partials and the combine kernel, and
+    """More splits than ``tiling.MERGE_MAX_SPLITS``: decode partials and the combine kernel, and
     ``LAST_LAUNCH["merge"]`` says why."""
     case = make_case(
         63, dtype=torch.bfloat16, device="cuda", page_size=64, dims=(512, 64), heads=16, s_q=1,
@@ -900,7 +900,7 @@ def test_plan_path_says_why(monkeypatch, change, reason) -> None:
     if reason is None:
         ok, why = tiling.wgmma_support(q, kv_c, k_pe, None, None)
         assert not ok and "not paged" in why
-        # An attn_mask is read by the transposed and one-scorer loops (NOTES.md items 63-64).
+        # An attn_mask is read by the transposed and one-scorer loops.
         mask = torch.empty(2, 1, 320, device="meta")
         ok, why = tiling.wgmma_support(q, kv_c, k_pe, table, mask)
         assert ok and why.endswith("a torch.float32 attn_mask"), why
@@ -940,7 +940,7 @@ def test_loads_say_how_and_why(monkeypatch) -> None:
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 def test_float8_k_pe_takes_the_wgmma_kernel_at_width_64(monkeypatch) -> None:
     """A whole-float8 cache takes the wgmma kernel in whole 64-token pages (copy-engine tiles) and
-    gathered row by row (page size 1) alike (NOTES.md item 62); at a RoPE width of 32 it does
+    gathered row by row (page size 1) alike; at a RoPE width of 32 it does
     not, and ``wgmma_path`` says why."""
 
     monkeypatch.setattr(device_facts, "has_wgmma", lambda device: True)
@@ -969,7 +969,7 @@ def test_no_wgmma_off_hopper() -> None:
      (16, 2, None, 1, None, False, None),
      (64, 2, "fp8e4nv", 16, None, False, None), (16, 2, None, 64, None, True, None),
      (64, 2, None, 64, None, True, None),
-     # The whole row in float8, converted (NOTES.md item 62).
+     # The whole row in float8, converted.
      (64, 2, "fp8e4nv", 64, None, False, "fp8e4nv"), (32, 3, "fp8e4nv", 64, None, False, "fp8e4nv"),
      (64, 2, "fp8e4nv", 16, None, False, "fp8e4nv"), (16, 2, "fp8e4nv", 1, None, False, "fp8e4nv")],
 )  # fmt: skip
@@ -983,15 +983,15 @@ def test_compiles_to_wgmma_for_sm90(
     pe_dtype: str | None,
 ) -> None:
     """The installed Triton compiles the kernel for sm_90 (no GPU needed): wgmma and TMA copies
-    (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at
-    most a few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one
-    SM; 64 rows with the query rows on either MMA side. Over a float8 cache, the ring slots
-    ``wgmma_stages`` picks (two at 16 rows, three at 32), and, where it is not multiplied in
-    float8, the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the
-    stale-row select), a float8 k_pe's too. Merging (``mla::attention``): exactly one
-    release-acquire arrival, partials read past L1. One ``griddepcontrol.launch_dependents``,
-    after the loop's last product (the combine launched at the programs' entries made the
-    benchmark's calls that run it, (b)-(e), 0.5-1.2 us slower on an H200: NOTES.md item 84)."""
+    (16-byte cp.async for page sizes the copy engine cannot take) in the PTX, no mma.sync, at most a
+    few spilled scalars, and shared memory within ``wgmma_shared_memory``'s bound and one SM; 64
+    rows with the query rows on either MMA side. Over a float8 cache, the ring slots
+    ``wgmma_stages`` picks (two at 16 rows, three at 32), and, where it is not multiplied in float8,
+    the conversion by ``cvt.rn.f16x2.e4m3x2`` in two branches (with and without the stale-row
+    select), a float8 k_pe's too. Merging (``mla::attention``): exactly one release-acquire arrival,
+    partials read past L1. One ``griddepcontrol.launch_dependents``, after the loop's last product
+    (the combine launched at the programs' entries made the benchmark's calls that run it 0.5-1.2
+    us slower on an H200)."""
 
     block_m, warps = tiling.wgmma_tiling(rows)
     gather = page_size % 64 != 0
@@ -1029,7 +1029,7 @@ def test_compiles_to_wgmma_for_sm90(
     if float8:
         assert tiling.wgmma_stages(block_m, 512, 64, True, 232448) == stages
     if float8 and not products:
-        # The tile converted in two branches (NOTES.md item 37): a split's last tile zeroes its
+        # The tile converted in two branches: a split's last tile zeroes its
         # stale rows with a select, every other tile converts without one (a select shared by
         # both would unpack every converted pair). Each branch converts the 64 x 512 tile (and
         # a float8 k_pe's 64 x 64) two values per cvt, spread over all the math threads.
@@ -1049,7 +1049,7 @@ def test_compiles_to_wgmma_for_sm90(
 def test_masked_builds_compile(
     rows: int, warps: int, kv_dtype, page_size: int, mask: str, one_scorer: bool, s_q: int
 ) -> None:
-    """With an attention mask (NOTES.md items 63-64) the transposed and one-scorer loops compile
+    """With an attention mask the transposed and one-scorer loops compile
     for sm_90 in the tilings the op gives masked calls (a gathered 64-row program takes the
     transposed loop instead of the rows-on-M one; the one-scorer loop adds the mask terms
     warpgroup 1 prepares at S_q = 1, reads a row per query position otherwise): wgmma, no
@@ -1071,11 +1071,11 @@ def test_masked_builds_compile(
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize("merge", [False, True])
 def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
-    """A 16-row float8 program of width 512 multiplies in float8 (NOTES.md item 57): 16
+    """A 16-row float8 program of width 512 multiplies in float8: 16
     ``m64n32k32`` e4m3 products for the nope scores (both query terms, K = 512) and 16
     ``m64n16k32`` for P.V (8 row blocks of 512, K = 64), the RoPE scores in 16 bits; nothing
     converted to fp16; ``V^T`` read from the ring slot as 16-bit pairs by 16 ``ldmatrix.trans``
-    (x4) a thread and tile, then one byte permute per operand register (64; NOTES.md item 59);
+    (x4) a thread and tile, then one byte permute per operand register (64);
     P.V left in flight (no ``wgmma.wait_group`` between its last product and the loop's branch);
     no spill; no fp16 staging tile (64 KB less shared memory than the same build with
     ``float8_products=False``, which keeps its conversions)."""
@@ -1105,7 +1105,7 @@ def test_float8_products_compile_to_float8_wgmma(merge: bool) -> None:
 
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 def test_float8_k_pe_compiles_to_float8_rope_scores() -> None:
-    """With ``k_pe`` in float8 too (NOTES.md item 58) the RoPE scores are two more ``m64n32k32``
+    """With ``k_pe`` in float8 too the RoPE scores are two more ``m64n32k32``
     e4m3 products (K = 64) into the nope scores' accumulator, and no 16-bit wgmma is left; no
     spill, and a ring slot 4 KB smaller (64 x 64 bytes of k_pe instead of 128)."""
     whole, pair = offline_compile(
@@ -1222,7 +1222,7 @@ def test_float8_products_view_of_the_ring_slot() -> None:
 def test_rows_on_m_loads_the_query_before_the_first_copies() -> None:
     """A 64-row program with the rows on M issues its query's loads (18 16-byte loads per
     thread: 64 x 576 bf16 over 256 threads) before the ring's first copies, so that they do not
-    queue behind every program's first tiles (NOTES.md item 43)."""
+    queue behind every program's first tiles."""
     res = offline_compile(
         "import re; k = oc.compile_wgmma(64, 2, warps=8); ptx = k.asm['ptx']; "
         "first_copy = ptx.index('cp.async.bulk.tensor'); "
@@ -1240,9 +1240,9 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
     one SM's shared memory and ``wgmma_shared_memory``'s bound for the ring of two. Without the
     merge or with it, less spill than the output half a thread holds (512 bytes; none under
     Triton 3.6). The merge reads the partials in 16-byte loads, 4 rows of 4 columns a thread, in
-    a rolled loop (before NOTES.md item 45 it held 16 rows, unrolled, and spilled 1,912 bytes under
+    a rolled loop (before it held 16 rows, unrolled, and spilled 1,912 bytes under
     Triton 3.6). Each warpgroup stores its float32 half from its accumulator, 8 bytes a store
-    (item 48: no hand-over through shared memory, no 16-byte stores from one warpgroup); only
+    (no hand-over through shared memory, no 16-byte stores from one warpgroup); only
     final 16-bit rows, staged, go out 16 bytes a store."""
 
     res = offline_compile(
@@ -1269,7 +1269,7 @@ def test_one_scorer_compiles_to_one_warpgroup_scores(merge: bool) -> None:
 @pytest.mark.skipif(not _gluon_available(), reason="Triton without Gluon's Hopper module")
 @pytest.mark.parametrize("merge", [False, True])
 def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> None:
-    """``query_in_registers`` (NOTES.md item 78): the nope scores are 32 ``m64n64k16`` with the
+    """``query_in_registers``: the nope scores are 32 ``m64n64k16`` with the
     query as the A operand in registers (plus 4 for RoPE from shared memory); P.V is warpgroup
     0's 64 columns (4 ``m64n64k16``) and warpgroup 1's 448 (4 each of ``m64n256k16``,
     ``m64n128k16``, ``m64n64k16``). A ring of three 72 KB slots fits one SM's shared memory only
@@ -1296,9 +1296,9 @@ def test_query_in_registers_compiles_to_unserialised_products(merge: bool) -> No
 def test_fp8_conversion_has_no_bank_conflicts() -> None:
     """The float8 tile's conversion layout reads its float8 bytes and writes their fp16 values
     without a bank-conflict replay, for 4 and 8 warps and every kv_c width the kernel takes
-    (Triton's own count from the layouts; NOTES.md item 53). The same count sees the 16-bit
+    (Triton's own count from the layouts). The same count sees the 16-bit
     ``io`` layout's loads replay two-way on a float8 tile's 128-byte rows (ncu: 2.1 of 4.6
-    million load wavefronts on (a8)), so the check can fail."""
+    million load wavefronts on (h16_b128_4k_fp8)), so the check can fail."""
     widths = (64, 128, 256, 512)
     res = offline_compile(
         f"print([oc.conversion_bank_conflicts(w, L) for w in (4, 8) for L in {widths}])"
