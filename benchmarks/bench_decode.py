@@ -922,8 +922,8 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     impl_names = sorted({r.impl for r in rows}, key=lambda n: n != "mla_decode")
-    cases = sorted({r.case for r in rows})
-    fig, ax = plt.subplots(figsize=(10, 4))
+    cases = list(dict.fromkeys(r.case for r in rows))  # in the order they ran
+    fig, ax = plt.subplots(figsize=(11, 5))
     width = 0.8 / len(impl_names)
     for i, name in enumerate(impl_names):
         vals = [
@@ -932,7 +932,9 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
         ]
         ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases)
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(cases))], cases, rotation=35, ha="right"
+    )
     ax.set_ylabel("fraction of roofline")
     ax.set_title(
         f"MLA decode, bf16 - {meta['device']}, torch {meta['torch']}, triton {meta['triton']}"

@@ -1,4 +1,6 @@
-"""compat."""
+"""Gluon names that moved between Triton releases, resolved once here so that the kernels read
+the same on Triton 3.6 (the GPU machines) and later releases: the bulk tensor load, the
+per-thread asynchronous copy, shared-memory reinterpretation and the thread barrier."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""epilogue."""
+"""Storing a program's result: float32 partials and their LSE (``mla::decode``), or the final
+rows in q's dtype when the kernel merges (``mla::attention`` with few splits). A sequence in
+several chunks has each chunk store its partial and count its arrival on a per-row-block counter
+(release/acquire at gpu scope); the chunk that arrives last merges them (``_merge_splits``) and
+resets the counter, so no combine kernel runs."""
 
 from __future__ import annotations
 

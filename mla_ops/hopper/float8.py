@@ -1,4 +1,9 @@
-"""float8."""
+"""Float8 (e4m3) tiles: converted to fp16 in shared memory (exact: e4m3 is a subset of fp16),
+or, in 16-row programs of width 512 over copy-engine tiles, multiplied in float8 as FlashMLA's
+and FlashAttention-3's float8 kernels do: the scores by float8 wgmma straight from the ring slot
+with the query as two e4m3 terms (its rounding and its remainder, so that the scores keep about
+bf16's precision), ``V^T`` read by ``ldmatrix.trans`` and one byte permute per register, and P
+in e4m3."""
 
 from __future__ import annotations
 

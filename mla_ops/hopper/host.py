@@ -1,4 +1,7 @@
-"""launch."""
+"""The host side of the Hopper kernel: ``prepare`` turns a plan's configuration into a
+``PreparedLaunch`` (grid, strides and constexprs fixed; it reads no tensor data, so one serves
+every call of a signature), ``launch_data`` fills each call's tensors, TMA descriptors and float
+scalars. ``launch`` does both (tests and tools call it directly)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""kernel."""
+"""The Hopper decode kernel's entry: the program's split bounds (even or balanced, computed on the
+device from ``cache_seqlens``), shared memory and barriers, the choice of main loop by the
+planner's constexprs, the epilogue, and the combine's programmatic-dependent-launch trigger once
+the loop is done."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""layouts."""
+"""Tile sizes, register and shared-memory layouts, and constants the Hopper kernel's files share.
+
+The float8 ``V^T`` layouts (``_VT_OFFSET_BASES``, ``_VT_LOAD_LAYOUT``, ``_PAIRS_TO_ROWS``) read a
+float8 ring slot straight into the wgmma's A registers; ``_conversion_layout`` converts float8
+columns to fp16 with no shared-memory bank conflicts on either side."""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""loads."""
+"""The copy ring: KV tiles into ``NUM_STAGES`` shared-memory slots tracked by mbarriers.
+
+A tile's pages are looked up a tile ahead of its copy; pages of whole 64-token tiles go through
+the copy engine (TMA), any other page size is gathered row by row with 16-byte ``cp.async``
+copies. A token whose location is outside the cache is never read: its rows are flagged and
+come out NaN. ``_produce_tiles`` is the producer partition (one warp for TMA, a warpgroup for
+gathers) that keeps the ring full while the math warps consume it."""
 
 from __future__ import annotations
 

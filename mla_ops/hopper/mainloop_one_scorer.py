@@ -1,4 +1,7 @@
-"""mainloop_one_scorer."""
+"""One-scorer 64-row programs (DeepSeek's 128 heads over copy-engine tiles of a 16-bit cache),
+FlashMLA's division of the work: warpgroup 0 scores whole tiles with ``m64n64k16`` and runs the
+softmax, then hands P to warpgroup 1, a partition of its own that issues the copies and takes
+the other half of P.V; each warpgroup stores its own part of the output."""
 
 from __future__ import annotations
 

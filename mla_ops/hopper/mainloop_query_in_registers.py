@@ -1,4 +1,8 @@
-"""mainloop_query_in_registers."""
+"""The one-scorer loop over DeepSeek's row (L = 512, R = 64, no mask) with the nope query in
+warpgroup 0's registers as the scores' A operand: the freed shared memory holds a third ring
+slot, so warpgroup 1 multiplies each tile's P.V once the next tile is scored, under warpgroup
+0's softmax. P is written over the tile's dead k_pe part; the output splits 64 + 448 columns
+between the warpgroups, as the query's 128 registers a thread allow."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""mainloop_rows_on_m."""
+"""64-row programs over gathered tiles: the query rows on the MMA's M side (``S = Q K^T``,
+``O = P V``), the two warpgroups splitting the tile's tokens in the scores and the latent
+columns in the output, so that a row's softmax reductions stay within a warp quad."""
 
 from __future__ import annotations
 

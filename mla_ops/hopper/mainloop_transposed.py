@@ -1,4 +1,8 @@
-"""mainloop_transposed."""
+"""The transposed main loop of 16- and 32-row programs: ``S^T = K Q^T`` and
+``O^T += V^T P^T``, the 64-token KV tile on the MMA's M side and the query rows on N, so 16 heads
+are one N = 16 wgmma with nothing padded. A producer partition keeps the ring full while one
+math warpgroup (two for 32 rows) scores, runs the softmax and multiplies P.V from the same tile
+(the 576-wide dot split 512 + 64)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""query."""
+"""The absorbed query ``[q_nope @ W_UK, q_pe]``: loaded for the program's rows, stored into shared
+memory as the scores' B operand (a float8 cache's query moved into fp16's range by a power of
+two), or kept in registers as the A operand of one-scorer programs."""
 
 from __future__ import annotations
 

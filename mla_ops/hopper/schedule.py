@@ -1,4 +1,10 @@
-"""schedule."""
+"""Which chunk of which sequence each program takes.
+
+Split-major by default (every sequence's first chunk, then every second one, ...): a uniform
+batch's real programs fill the first wave. For a balanced plan of a ragged batch,
+``_longest_first`` ranks the chunks on the device (no host sync): every full chunk, then the
+partial last chunks longest first, then the empty ones, so that the programs that start late
+are the short ones (longest processing time first)."""
 
 from __future__ import annotations
 

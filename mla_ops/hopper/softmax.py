@@ -1,4 +1,7 @@
-"""softmax."""
+"""Causal bounds, attention masks and the online softmax, in the exp2 domain with the scale
+folded in. A mask is read one row per tile at S_q = 1 (prepared by warpgroup 1 in one-scorer
+programs); hidden keys get a zero probability, and a row with no visible key gives zeros and
+``-inf``. Rows past a split's end hold stale cache memory (maybe NaN) and are zeroed before use."""
 
 from __future__ import annotations
 
