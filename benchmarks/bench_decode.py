@@ -932,9 +932,7 @@ def plot(rows: list[Row], meta: dict, path: Path) -> None:
         ]
         ax.bar([j + i * width for j in range(len(cases))], vals, width, label=name)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(
-        [j + 0.4 - width / 2 for j in range(len(cases))], cases, rotation=35, ha="right"
-    )
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))], cases, rotation=35, ha="right")
     ax.set_ylabel("fraction of roofline")
     ax.set_title(
         f"MLA decode, bf16 - {meta['device']}, torch {meta['torch']}, triton {meta['triton']}"
