@@ -8,8 +8,8 @@ dynamic batch and cache length:
 * ``aoti.compile_package(program, "step.pt2")`` / ``aoti.load_package(path)``.
 * ``onnx.export_onnx(program, "step.onnx", translation="standard" | "custom")``.
 
-A process that runs a program with ``mla`` nodes needs ``import mla_ops`` (the ops are Python
-``torch.library`` custom ops); the ONNX "standard" translation needs nothing of ours.
+A process that runs a program with ``mla`` nodes needs ``import mla_compile.mla_ops`` (the ops
+are Python ``torch.library`` custom ops); the ONNX "standard" translation needs nothing of ours.
 """
 
 from mla_compile._legacy import hand_over

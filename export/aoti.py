@@ -1,11 +1,10 @@
 """AOTInductor packages of exported programs that call the ``mla`` ops.
 
 What a process that runs the package needs: the ``mla`` ops registered, i.e. Python with
-``import mla_ops``. They are ``torch.library.custom_op`` operators defined in Python (Triton
-kernels on CUDA, PyTorch on CPU); AOTInductor compiles the rest of the program to C++ and calls
-them back through the dispatcher. Without the registration the loader fails with
-"Could not find schema for mla::attention": ``load_package`` turns that into a message naming
-the fix.
+``import mla_compile.mla_ops``. They are ``torch.library.custom_op`` operators defined in Python
+(Triton kernels on CUDA, PyTorch on CPU); AOTInductor compiles the rest of the program to C++ and
+calls them back through the dispatcher. Without the registration the loader fails with "Could not
+find schema for mla::attention": ``load_package`` turns that into a message naming the fix.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
 MLA_OPS = ("mla.attention.default", "mla.decode.default", "mla.combine.default")
 _REGISTRATION_HINT = (
     "The program calls the mla custom ops (torch.ops.mla.attention, ...), which exist in a "
-    "process only after `import mla_ops` (pip install mla-compile): import it before loading, "
-    "or load with export.load_program, which does."
+    "process only after `import mla_compile.mla_ops` (pip install mla-compile): import it "
+    "before loading, or load with mla_compile.export.load_program, which does."
 )
 
 
@@ -120,12 +120,13 @@ def export_prefill_step(
 
 
 def save_program(program: torch.export.ExportedProgram, path: str | os.PathLike) -> None:
-    """``torch.export.save``; the file needs ``import mla_ops`` in the loading process."""
+    """``torch.export.save``; the file needs ``import mla_compile.mla_ops`` in the loading
+    process."""
     torch.export.save(program, path)
 
 
 def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
-    """``torch.export.load`` after registering the ``mla`` ops (``import mla_ops``).
+    """``torch.export.load`` after registering the ``mla`` ops (``import mla_compile.mla_ops``).
 
     Before deserialising, the archive's graph is scanned for ``torch.ops.mla.*`` targets; one this
     process does not define gets a message naming it, not only the deserialiser's traceback.

@@ -37,8 +37,8 @@ def test_namespaced_imports_need_no_bare_names(tmp_path) -> None:
 
 @pytest.mark.parametrize("name", ["mla_ops", "fx_passes", "export"])
 def test_bare_names_warn_and_alias(name: str, tmp_path) -> None:
-    """``import mla_ops`` (and its submodules) warns once and gives ``mla_compile.mla_ops``'s
-    module objects, so the ops are registered once."""
+    """``import mla_ops`` (and its submodules) warns once and gives ``mla_compile.mla_ops``'s module
+    objects, so the ops are registered once."""
     sub = {"mla_ops": "ops", "fx_passes": "absorb", "export": "program"}[name]
     done = _run(
         f"import {name}, {name}.{sub}\n"

@@ -1,5 +1,5 @@
 """AOTInductor: a package built from the exported, rewritten decode step runs in a fresh process
-that has `import mla_ops` (and only fails, by name, in one that has not)."""
+that has `import mla_compile.mla_ops` (and only fails, by name, in one that has not)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.export.helpers import EXPORT_FAMILIES, SHAPES, eager_decode, float32_
 
 RUN_PACKAGE = """
 import sys, torch
-from mla_compile import export  # export.aoti.load_package registers the mla ops (import mla_ops)
+from mla_compile import export  # export.aoti.load_package registers the mla ops
 package, cases = sys.argv[1], torch.load(sys.argv[2])
 run = export.aoti.load_package(package)
 errors = []
