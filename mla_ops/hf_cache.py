@@ -312,6 +312,22 @@ class MLACacheLayer(CacheLayerMixin):
             self.expanded = tuple(t[indices] for t in self.expanded)
 
 
+def _selected_sequences(indices, batch: int) -> torch.Tensor:
+    """The sequence indices ``batch_select_indices`` keeps, as a 1-D long tensor: a bool mask
+    selects where it is True (as indexing does), an integer index is taken as it is."""
+    indices = torch.as_tensor(indices)
+    if indices.dtype == torch.bool:
+        if indices.shape != (batch,):
+            raise ValueError(
+                f"a bool batch_select_indices mask must be [batch={batch}], got "
+                f"{tuple(indices.shape)}"
+            )
+        return indices.cpu().nonzero().reshape(-1)
+    if indices.is_floating_point() or indices.is_complex():
+        raise TypeError(f"batch_select_indices takes integer or bool indices, got {indices.dtype}")
+    return indices.long().reshape(-1)
+
+
 def _latent_width(text, layer: int) -> tuple[int | None, int]:
     """``(kv_lora_rank, qk_rope_head_dim)`` of one layer; heterogeneous configs (transformers'
     ``per_layer_config``) may give each layer its own."""
@@ -422,9 +438,10 @@ class MLACache(Cache):
         return self.store.cache
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the sequences ``indices`` (in that order)."""
+        """Keep the sequences ``indices`` (in that order), or, for a bool ``[batch]`` mask, the
+        sequences where it is True: what ``DynamicCache`` keeps for either form."""
         if self.store.cache is not None:
-            self.store.cache.regroup(torch.as_tensor(indices).reshape(-1))
+            self.store.cache.regroup(_selected_sequences(indices, self.store.cache.batch_size))
             self.store.mark_static()
         for layer in self.layers:
             layer.batch_select_indices(indices)

@@ -256,6 +256,14 @@ class PagedLatentCache:
         """
         if beam_idx.dim() != 1 or beam_idx.shape[0] != self.batch_size:
             raise ValueError(f"beam_idx must be [batch={self.batch_size}], got {beam_idx.shape}")
+        if beam_idx.dtype == torch.bool or beam_idx.is_floating_point() or beam_idx.is_complex():
+            raise TypeError(f"beam_idx must hold integer sequence indices, got {beam_idx.dtype}")
+        if beam_idx.numel() and (int(beam_idx.min()) < 0 or int(beam_idx.max()) >= self.batch_size):
+            # A negative index would wrap around to another sequence's rows.
+            raise ValueError(
+                f"beam_idx must be sequence indices in [0, {self.batch_size}), got "
+                f"{beam_idx.tolist()}"
+            )
         used = self._pages_allocated
         if used == 0:
             return
@@ -310,13 +318,17 @@ class PagedLatentCache:
 
         ``layer``: only that layer (all layers by default).
         """
-        for index in range(self.num_layers):
-            if layer is not None and index != layer:
-                continue
+        layers = range(self.num_layers) if layer is None else [layer]
+        keeps = {}
+        for index in layers:  # every layer checked before any is cropped
             length = self.get_seq_length(index)
             keep = length + max_length if max_length < 0 else min(length, max_length)
             if keep < 0:
-                raise ValueError(f"cannot crop {-max_length} tokens from a {length}-token cache")
+                raise ValueError(
+                    f"cannot crop {-max_length} tokens from layer {index}'s {length}-token cache"
+                )
+            keeps[index] = keep
+        for index, keep in keeps.items():
             self._lengths[index] = keep
             self.seqlens[index].fill_(keep)
         if not self.static:

@@ -123,7 +123,7 @@ def test_batch_selection_and_repeat(model, static: bool) -> None:
 
     batch = left_padded_batch()
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    for change, rows in (("select", [2, 0]), ("repeat", [2, 2, 0, 0])):
+    for change, rows in (("select", [2, 0]), ("repeat", [2, 2, 0, 0]), ("mask", [0, 2])):
         logits = []
         for past in (
             DynamicCache(config=model.config),
@@ -131,7 +131,10 @@ def test_batch_selection_and_repeat(model, static: bool) -> None:
         ):
             with torch.no_grad():
                 out = model(ids, attention_mask=mask, **cache_kwargs(model, past))
-                past.batch_select_indices(torch.tensor([2, 0]))
+                if change == "mask":  # a bool mask keeps the rows where it is True
+                    past.batch_select_indices(torch.tensor([True, False, True]))
+                else:
+                    past.batch_select_indices(torch.tensor([2, 0]))
                 if change == "repeat":
                     past.batch_repeat_interleave(2)
                 next_ids = out.logits[rows, -1:].argmax(-1)

@@ -243,3 +243,29 @@ def test_indexer_keys_beside_the_latents(page_size: int, static: bool) -> None:
     torch.testing.assert_close(stored_keys(), expected[[2, 2]], rtol=0, atol=0)
     cache.crop(6)
     torch.testing.assert_close(stored_keys(), expected[[2, 2], :6], rtol=0, atol=0)
+
+
+def test_reorder_refuses_indices_outside_the_batch() -> None:
+    """A negative or too large beam index would copy another sequence's rows (or fail deep in
+    the gather): refused by name, the cache unchanged; bool and float indices too."""
+    cache = make(5, True)
+    expected = fill(cache, [9])
+    for bad in ([0, -1, 1], [0, 1, 3]):
+        with pytest.raises(ValueError, match=r"beam_idx must be sequence indices in \[0, 3\)"):
+            cache.reorder(torch.tensor(bad))
+    for bad in (torch.tensor([True, False, True]), torch.tensor([0.0, 1.0, 2.0])):
+        with pytest.raises(TypeError, match="beam_idx must hold integer sequence indices"):
+            cache.reorder(bad)
+    kv_c, k_pe = stored_rows(cache, 0)
+    assert torch.equal(torch.cat([kv_c, k_pe], -1), expected[0])
+
+
+def test_crop_that_fails_changes_nothing() -> None:
+    """Cropping more tokens than a layer holds raises before any layer is cropped."""
+    cache = make(4, False)
+    fill(cache, [6])
+    cache.append(0, torch.randn(B, 4, L), torch.randn(B, 4, R))  # layer 0: 10 tokens, layer 1: 6
+    with pytest.raises(ValueError, match="cannot crop 8 tokens from layer 1's 6-token cache"):
+        cache.crop(-8)
+    assert cache.get_seq_length(0) == 10 and cache.get_seq_length(1) == 6
+    assert cache.seqlens[0].tolist() == [10] * B and cache.seqlens[1].tolist() == [6] * B
