@@ -53,8 +53,33 @@ FP8_CACHE_DTYPE = torch.float8_e4m3fn
 KVCache = torch.Tensor | Sequence[torch.Tensor]
 
 
+# Split counts beyond these are refused by name: the partials are [B, S_q, H, num_splits, L]
+# floats (a huge count fails to allocate, or overflows the kernels' 32-bit grid and indices).
+MAX_NUM_SPLITS = 4096
+MAX_TOTAL_SPLITS = 2**30
+# The kernels compute in float32: a scale past its range becomes inf and the output NaN.
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
 def _fail(message: str) -> None:
     raise ValueError(message)
+
+
+def _check_scale(name: str, value: float) -> None:
+    """A finite float within float32's range (the kernels' arithmetic)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not (math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+        _fail(f"{name} must be finite and within float32's range (|x| <= {FLOAT32_MAX:.3g}), "
+              f"got {value}")  # fmt: skip
+
+
+def _check_count(name: str, value: int, most: int, what: str = "an int") -> None:
+    """An int (not a bool) in ``[1, most]``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+    if not 1 <= value <= most:
+        _fail(f"{name} must be in [1, {most}], got {value}")
 
 
 def _check_floating(name: str, t: torch.Tensor, allow_fp8: bool = False) -> None:
@@ -134,12 +159,12 @@ def check_decode_args(
         _check_index("block_table", block_table, 2, q.device)
         if block_table.shape[0] != batch:
             _fail(f"block_table must be [batch={batch}, max_pages], got {tuple(block_table.shape)}")
-    if not math.isfinite(softmax_scale):
-        _fail(f"softmax_scale must be finite, got {softmax_scale}")
-    if num_splits < 1:
-        _fail(f"num_splits must be >= 1, got {num_splits}")
-    if total_splits is not None and total_splits < 1:
-        _fail(f"total_splits must be >= 1 or None, got {total_splits}")
+    _check_scale("softmax_scale", softmax_scale)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__} {causal!r}")
+    _check_count("num_splits", num_splits, MAX_NUM_SPLITS)
+    if total_splits is not None:
+        _check_count("total_splits", total_splits, MAX_TOTAL_SPLITS, "an int or None")
     fp8 = FP8_CACHE_DTYPE in (kv_c.dtype, k_pe.dtype)
     if fp8 and kv_scale is None:
         raise TypeError("a float8_e4m3fn cache needs kv_scale (stored value x kv_scale = real)")
@@ -148,8 +173,8 @@ def check_decode_args(
             _fail(f"kv_scale is for a float8_e4m3fn cache; this cache is {kv_c.dtype}")
         if q.dtype == torch.float64:
             raise TypeError("a float8 cache takes a bfloat16, float16 or float32 q, not float64")
-        if not (math.isfinite(kv_scale) and kv_scale > 0):
-            _fail(f"kv_scale must be a positive finite float, got {kv_scale}")
+        if not (math.isfinite(kv_scale) and 0 < kv_scale <= FLOAT32_MAX):
+            _fail(f"kv_scale must be a positive finite float32 value, got {kv_scale}")
     if attn_mask is not None:
         _check_mask(attn_mask, q)
 
@@ -305,8 +330,21 @@ def _decode_fake(
 # --- mla::combine ----------------------------------------------------------------------------
 
 
-def check_combine_args(out_partial: torch.Tensor, lse_partial: torch.Tensor) -> None:
+def _check_out_dtype(out_dtype: torch.dtype | None) -> None:
+    if out_dtype is not None and (
+        not isinstance(out_dtype, torch.dtype) or out_dtype not in SUPPORTED_DTYPES
+    ):
+        raise TypeError(
+            f"out_dtype must be None or one of {[str(d) for d in SUPPORTED_DTYPES]}, got "
+            f"{out_dtype!r}"
+        )
+
+
+def check_combine_args(
+    out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
+) -> None:
     """Shape and dtype checks of ``mla::combine``."""
+    _check_out_dtype(out_dtype)
     for name, t in (("out_partial", out_partial), ("lse_partial", lse_partial)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -330,7 +368,7 @@ def combine(
     out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LSE merge over dimension -2 of ``out_partial``. See the module docstring for shapes."""
-    check_combine_args(out_partial, lse_partial)
+    check_combine_args(out_partial, lse_partial, out_dtype)
     return reference.combine(out_partial, lse_partial, out_dtype)
 
 
@@ -338,7 +376,7 @@ def combine(
 def _combine_cuda(
     out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_combine_args(out_partial, lse_partial)
+    check_combine_args(out_partial, lse_partial, out_dtype)
     from . import runtime
 
     return runtime.combine(out_partial, lse_partial, out_dtype)
@@ -348,7 +386,7 @@ def _combine_cuda(
 def _combine_fake(
     out_partial: torch.Tensor, lse_partial: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_combine_args(out_partial, lse_partial)
+    check_combine_args(out_partial, lse_partial, out_dtype)
     out = out_partial.new_empty(
         (*out_partial.shape[:-2], out_partial.shape[-1]), dtype=out_dtype or out_partial.dtype
     )
@@ -633,8 +671,7 @@ def mla_decode(
     if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() == 3 and q.dim() == 4:
         with contextlib.suppress(RuntimeError):  # not broadcastable: the check names the shapes
             attn_mask = attn_mask.expand(q.shape[0], q.shape[1], attn_mask.shape[-1])
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    _check_scale("softmax_scale", softmax_scale)
     check_decode_args(
         q,
         kv_c,
@@ -691,4 +728,5 @@ def mla_combine(
     Returns:
         ``out [..., L]`` and ``lse [...]``; rows whose states are all empty give zeros and ``-inf``.
     """
+    _check_out_dtype(out_dtype)  # before the schema, which would take an int as a dtype
     return torch.ops.mla.combine(out_partial, lse_partial, out_dtype)

@@ -90,8 +90,12 @@ def decode(
         rows = gather_rows(part, cache_seqlens, block_table).to(acc)
         return rows * kv_scale if part.dtype == torch.float8_e4m3fn else rows
 
+    out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
+    lse = q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)
     rows = torch.cat([dequantised(kv_c), dequantised(k_pe)], dim=-1)  # [B, T, L+R]
     capacity = rows.shape[1]
+    if capacity == 0:  # a zero-length cache or block table: every sequence is empty
+        return out, lse
     seqlen = cache_seqlens.long()
     token = torch.arange(capacity, device=q.device)
     # Rows past a sequence's end are stale memory (maybe NaN): 0 * NaN would leak into P @ V.
@@ -107,12 +111,13 @@ def decode(
         mask, bias = mask_over_capacity(attn_mask, capacity, acc)  # [B, S_q, T] each
         visible = visible & mask
         scores = scores + bias[:, :, None, :]
-    # Keys no query sees (left padding) may hold NaN: keep them out of P @ V, as the kernel does.
-    values = rows[..., :kv_len].masked_fill(~visible.any(dim=1)[..., None], 0.0)  # [B, T, L]
+    # Each query position reads only the values of the keys it sees: a key hidden from it (left
+    # padding, or causal: seen by a later position only) may hold NaN or inf, and 0 * inf would
+    # leak into its P @ V.
+    values = rows[:, None, :, :kv_len].masked_fill(~visible[..., None], 0.0)  # [B, S_q|1, T, L]
+    values = values.expand(batch, s_q, capacity, kv_len)
     start, end = split_bounds(seqlen, num_splits, total_splits)  # [B, num_splits]
 
-    out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
-    lse = q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)
     for split in range(num_splits):
         in_split = (token[None, :] >= start[:, split : split + 1]) & (
             token[None, :] < end[:, split : split + 1]
@@ -125,7 +130,7 @@ def decode(
         probs = torch.exp(masked - torch.where(torch.isneginf(row_max), 0.0, row_max))
         total = probs.sum(dim=-1)  # [B, S_q, H]
         probs = probs / torch.where(total == 0, 1.0, total)[..., None]
-        out[:, :, :, split] = torch.einsum("bsht,btl->bshl", probs, values)
+        out[:, :, :, split] = torch.einsum("bsht,bstl->bshl", probs, values)
         lse[:, :, :, split] = row_max.squeeze(-1) + torch.log(total)
     return out, lse
 

@@ -420,3 +420,40 @@ def test_hidden_keys_holding_nan_do_not_leak(kind: str, device: str) -> None:
     )
     poison_hidden_keys(case)
     run_and_check(case, torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["empty block table", "zero-length cache", "no pages"])
+def test_an_all_empty_batch_over_an_empty_cache(layout: str) -> None:
+    """Every sequence empty over a cache with no tokens at all: zeros and -inf, not an error
+    from inside the reference."""
+    batch, heads, kv_len, rope_len = 2, 3, 32, 16
+    q = torch.randn(batch, 1, heads, kv_len + rope_len)
+    block_table = torch.zeros(batch, 0, dtype=torch.int32)
+    kv_cache = {
+        "empty block table": torch.randn(6, 16, kv_len + rope_len),
+        "zero-length cache": torch.randn(batch, 0, kv_len + rope_len),
+        "no pages": torch.randn(0, 16, kv_len + rope_len),
+    }[layout]
+    out, lse = mla_ops.mla_decode(
+        q, kv_cache, torch.zeros(batch, dtype=torch.int32),
+        block_table=None if layout == "zero-length cache" else block_table,
+        head_dim_v=kv_len, softmax_scale=0.1,
+    )  # fmt: skip
+    assert out.shape == (batch, 1, heads, kv_len) and not out.any()
+    assert torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_non_finite_key_stays_with_the_queries_that_see_it(bad: float) -> None:
+    """S_q = 2, causal: the last key is seen by the second query only. A non-finite value there
+    leaves the first query's output exactly what it is with any other value in that row."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 3, 48, dtype=torch.float64, generator=gen)
+    kv = torch.randn(2, 12, 48, dtype=torch.float64, generator=gen)
+    lengths = torch.tensor([12, 7], dtype=torch.int32)
+    clean, _ = mla_ops.mla_decode(q, kv, lengths, head_dim_v=32, softmax_scale=0.2)
+    poisoned = kv.clone()
+    poisoned[0, 11], poisoned[1, 6] = bad, bad  # each sequence's last key
+    out, lse = mla_ops.mla_decode(q, poisoned, lengths, head_dim_v=32, softmax_scale=0.2)
+    assert torch.equal(out[:, 0], clean[:, 0]) and torch.isfinite(lse[:, 0]).all()
+    assert not torch.isfinite(out[:, 1]).all()

@@ -92,8 +92,18 @@ def test_good_call_works() -> None:
         ),
         ({"softmax_scale": None}, TypeError, "softmax_scale must be a float"),
         ({"softmax_scale": float("nan")}, ValueError, "softmax_scale must be finite"),
-        ({"num_splits": 0}, ValueError, "num_splits must be >= 1"),
-        ({"total_splits": 0}, ValueError, "total_splits must be >= 1 or None, got 0"),
+        # finite in float64, inf in the kernels' float32: the output would be NaN
+        ({"softmax_scale": 1e39}, ValueError, "softmax_scale must be finite and within float32"),
+        ({"softmax_scale": True}, TypeError, "softmax_scale must be a float, got bool"),
+        ({"causal": None}, TypeError, "causal must be a bool, got NoneType"),
+        ({"causal": 2.5}, TypeError, "causal must be a bool, got float 2.5"),
+        ({"num_splits": 0}, ValueError, r"num_splits must be in \[1, 4096\], got 0"),
+        ({"num_splits": 2**40}, ValueError, r"num_splits must be in \[1, 4096\]"),
+        ({"num_splits": True}, TypeError, "num_splits must be an int, got bool"),
+        ({"num_splits": 2.0}, TypeError, "num_splits must be an int, got float"),
+        ({"total_splits": 0}, ValueError, r"total_splits must be in \[1, 1073741824\], got 0"),
+        ({"total_splits": 2**40}, ValueError, "total_splits must be in"),
+        ({"total_splits": "4"}, TypeError, "total_splits must be an int or None, got str"),
         (
             {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn)},
             TypeError,
@@ -103,7 +113,7 @@ def test_good_call_works() -> None:
         (
             {"kv_cache": torch.randn(6, 16, L + R).to(torch.float8_e4m3fn), "kv_scale": -1.0},
             ValueError,
-            "kv_scale must be a positive finite float",
+            "kv_scale must be a positive finite float32 value",
         ),
         (
             {
@@ -195,3 +205,23 @@ def test_value_checks_on_cuda_are_opt_in(monkeypatch) -> None:
                 for k, v in good(cache_seqlens=too_long).items()
             }
         )
+
+
+@pytest.mark.parametrize("out_dtype", [3, True, torch.int32, torch.bool, "float32"])
+def test_combine_out_dtype_must_be_floating(out_dtype) -> None:
+    """An integer or bool ``out_dtype`` would silently truncate the merged output."""
+    with pytest.raises(TypeError, match="out_dtype must be None or one of"):
+        mla_ops.mla_combine(torch.randn(3, 2, 8), torch.randn(3, 2), out_dtype)
+
+
+def test_ops_called_directly_check_their_arguments() -> None:
+    """``torch.ops.mla.*`` reached without the wrappers gets the same errors."""
+    a = good()
+    q, kv = a["q"], a["kv_cache"]
+    args = (q, kv[..., :L], kv[..., L:], a["cache_seqlens"], a["block_table"], 0.1, True)
+    with pytest.raises(ValueError, match=r"num_splits must be in \[1, 4096\]"):
+        torch.ops.mla.attention(*args, 2**40)
+    with pytest.raises(ValueError, match="softmax_scale must be finite and within float32"):
+        torch.ops.mla.decode(*args[:5], 1e39, True, 1)
+    with pytest.raises(TypeError, match="out_dtype must be None or one of"):
+        torch.ops.mla.combine(torch.randn(3, 2, 8), torch.randn(3, 2), torch.int32)
