@@ -16,7 +16,8 @@ from mla_compile._legacy import hand_over
 
 hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.export
 
-from . import aoti, onnx
+from . import aoti, archive, onnx
+from .archive import UnsafeArchiveError
 from .program import (
     export_decode_step,
     export_prefill_step,
@@ -30,7 +31,9 @@ from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
 __all__ = [
     "DecodeStep",
     "PrefillStep",
+    "UnsafeArchiveError",
     "aoti",
+    "archive",
     "decode_inputs",
     "export_decode_step",
     "export_prefill_step",

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from .archive import check_package_archive
 from .program import registration_hint
 
 
@@ -40,6 +41,10 @@ def compile_package(
 def load_package(path: str | os.PathLike) -> Callable:
     """Load an AOTInductor package; returns a callable taking the program's inputs.
 
+    A package is native code: its shared library runs when it loads, so load only packages you
+    built or trust. What is checked first (``export.archive.check_package_archive``): no member
+    name that would be extracted outside the package's folder, and no symbolic link.
+
     Tensor inputs are passed contiguous: the compiled code indexes inputs with the strides of
     the example inputs (contiguous for ``export.decode_inputs``) and does not check them.
     """
@@ -47,6 +52,7 @@ def load_package(path: str | os.PathLike) -> Callable:
         from mla_compile import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
     except ImportError as error:
         raise ImportError(registration_hint()) from error
+    check_package_archive(path)  # no member may be written outside the extraction folder
     try:
         runner = torch._inductor.aoti_load_package(os.fspath(path))
     except RuntimeError as error:

@@ -16,6 +16,7 @@ import torch
 from mla_compile.fx_passes import absorb_mla
 from mla_compile.fx_passes.absorb import DEFAULT_MAX_Q_LEN
 
+from .archive import MAX_MEMBER_BYTES, check_program_archive
 from .steps import DecodeStep, PrefillStep, decode_inputs, prompt_inputs
 
 # mla.attention is what the rewrite emits; decode and combine appear where a graph calls them.
@@ -125,33 +126,54 @@ def save_program(program: torch.export.ExportedProgram, path: str | os.PathLike)
     torch.export.save(program, path)
 
 
-def load_program(path: str | os.PathLike) -> torch.export.ExportedProgram:
-    """``torch.export.load`` after registering the ``mla`` ops (``import mla_compile.mla_ops``).
+def load_program(
+    path: str | os.PathLike, *, max_member_bytes: int = MAX_MEMBER_BYTES
+) -> torch.export.ExportedProgram:
+    """``torch.export.load`` of a file from outside, after checking it and registering the ``mla``
+    ops (``import mla_compile.mla_ops``).
 
-    Before deserialising, the archive's graph is scanned for ``torch.ops.mla.*`` targets; one this
-    process does not define gets a message naming it, not only the deserialiser's traceback.
+    Before anything in the file is deserialised, the archive is checked
+    (``export.archive.check_program_archive``: no pickled tensors or objects, sample inputs that
+    the restricted unpickler reads, no member past ``max_member_bytes`` bytes, no unsafe names;
+    ``UnsafeArchiveError`` names the member) and its graph is scanned for ``torch.ops.mla.*``
+    targets: one this process does not define gets a message naming it. The file is opened once,
+    so the bytes checked are the bytes loaded.
     """
     try:
         from mla_compile import mla_ops  # noqa: F401  (registers torch.ops.mla.*)
     except ImportError as error:
         raise ImportError(_REGISTRATION_HINT) from error
-    missing = [op for op in sorted(mla_ops_in_archive(path)) if not _resolves(op)]
-    if missing:
-        raise RuntimeError(
-            f"{os.fspath(path)} calls {', '.join(missing)}, which this process does not define "
-            "(is it from a newer mla-compile?). " + _REGISTRATION_HINT
-        )
-    return torch.export.load(path)
+    shown = os.fspath(path)
+    with open(path, "rb") as file:
+        archive = check_program_archive(file, shown, max_member_bytes)
+        targets = _mla_targets(archive, shown, max_member_bytes)
+        missing = [op for op in sorted(targets) if not _resolves(op)]
+        if missing:
+            raise RuntimeError(
+                f"{shown} calls {', '.join(missing)}, which this process does not define "
+                "(is it from a newer mla-compile?). " + _REGISTRATION_HINT
+            )
+        file.seek(0)
+        return torch.export.load(file)
 
 
-def mla_ops_in_archive(path: str | os.PathLike) -> set[str]:
-    """The ``mla.<op>.<overload>`` targets named by the programs of a ``.pt2`` archive."""
+def mla_ops_in_archive(
+    path: str | os.PathLike, *, max_member_bytes: int = MAX_MEMBER_BYTES
+) -> set[str]:
+    """The ``mla.<op>.<overload>`` targets named by the programs of a ``.pt2`` archive (its
+    members checked first, as ``load_program`` does)."""
+    shown = os.fspath(path)
+    with open(path, "rb") as file:
+        archive = check_program_archive(file, shown, max_member_bytes)
+        return _mla_targets(archive, shown, max_member_bytes)
+
+
+def _mla_targets(archive: zipfile.ZipFile, shown: str, max_member_bytes: int) -> set[str]:
     found: set[str] = set()
-    with zipfile.ZipFile(path) as archive:
-        for name in archive.namelist():
-            if name.endswith(".json"):
-                text = archive.read(name).decode("utf-8", errors="replace")
-                found.update(match.group(1) for match in _MLA_TARGET.finditer(text))
+    for name in archive.namelist():
+        if name.endswith(".json"):  # sizes already bounded by check_program_archive
+            text = archive.read(name).decode("utf-8", errors="replace")
+            found.update(match.group(1) for match in _MLA_TARGET.finditer(text))
     return found
 
 
