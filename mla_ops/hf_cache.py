@@ -100,6 +100,7 @@ class _SharedStore:
         self.static, self.num_pages = static, num_pages
         self.index_len, self.index_layers = index_len, index_layers
         self.cache: PagedLatentCache | None = None
+        self.single_head_widths: tuple[int, int | None] | None = None
 
     @property
     def capacity(self) -> int:
@@ -158,6 +159,7 @@ class MLACacheLayer(CacheLayerMixin):
         docstring for each transformers version)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_widths(key_states, value_states)
         if not self._is_latent(key_states, value_states):
             # Expanded per-head K/V: transformers < 5.15, or DeepSeek's original remote code.
             if self.store.static:
@@ -192,6 +194,24 @@ class MLACacheLayer(CacheLayerMixin):
             and value_states.shape[1] == 1
             and key_states.shape[-1] == self.store.kv_len
             and value_states.shape[-1] == self.store.rope_len
+        )
+
+    def _check_widths(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Rows in the latents' ``[B, 1, S, .]`` layout must have the config's latent widths: a
+        wrong width is an error, never a silent switch to storing expanded K/V."""
+        store = self.store
+        if not (
+            key_states.dim() == 4 == value_states.dim()
+            and key_states.shape[1] == 1 == value_states.shape[1]
+        ):
+            return
+        widths = (key_states.shape[-1], value_states.shape[-1])
+        if widths == (store.kv_len, store.rope_len) or widths == store.single_head_widths:
+            return
+        raise ValueError(
+            f"MLACache layer {self.layer_idx}: latent rows of widths (kv_c {widths[0]}, k_pe "
+            f"{widths[1]}); the config gives kv_lora_rank={store.kv_len} and "
+            f"qk_rope_head_dim={store.rope_len}"
         )
 
     def _check_compile_mode(self) -> None:
@@ -428,6 +448,13 @@ class MLACache(Cache):
             text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages,
             index_len, index_layers,
         )  # fmt: skip
+        # A model of one attention head hands expanded K/V in the latents' [B, 1, S, .] layout:
+        # their widths tell them apart.
+        if getattr(text, "num_attention_heads", None) == 1:
+            self.store.single_head_widths = (
+                getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0),
+                getattr(text, "v_head_dim", None),
+            )
         super().__init__(
             layers=[MLACacheLayer(self.store, i) for i in range(text.num_hidden_layers)]
         )

@@ -107,6 +107,20 @@ def test_expanded_states() -> None:
         static.update(keys, values, 0)
 
 
+def test_latent_rows_of_the_wrong_width_are_an_error() -> None:
+    """Rows in the latents' layout whose widths are not the config's are refused by name; they
+    never switch the layer to storing expanded K/V."""
+    config = DeepseekV3Config(q_lora_rank=48, **TINY)
+    cache = MLACache(config, max_length=16)
+    width, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    with pytest.raises(ValueError, match=rf"widths \(kv_c {width + 1}, k_pe {rope}\).*"
+                       rf"kv_lora_rank={width} and qk_rope_head_dim={rope}"):  # fmt: skip
+        cache.update(torch.randn(1, 1, 2, width + 1), torch.randn(1, 1, 2, rope), 0)
+    assert cache.layers[0].mode is None
+    cache.update(torch.randn(1, 1, 2, width), torch.randn(1, 1, 2, rope), 0)
+    assert cache.layers[0].mode == "latent" and cache.get_seq_length() == 2
+
+
 def test_capacity_exceeded_is_a_clear_error(model) -> None:
     cache = MLACache(model.config, max_length=10, static=True)
     with pytest.raises(
