@@ -223,17 +223,27 @@ def check_decode_values(
             f"cache_seqlens counts the S_q={s_q} new tokens, so each non-empty sequence needs "
             f">= {s_q} tokens; got {lengths.tolist()}"
         )
-    if block_table is not None and block_table.numel():
-        num_pages, page_size = kv_c.shape[0], kv_c.shape[1]
-        pages_used = (lengths + page_size - 1) // page_size
-        in_use = torch.arange(block_table.shape[1])[None, :] < pages_used[:, None]
-        used_ids = block_table.long().cpu()[in_use]
-        bad = (used_ids < 0) | (used_ids >= num_pages)
-        if bool(bad.any()):
-            _fail(
-                f"block_table holds page ids outside [0, {num_pages}) for pages in use: "
-                f"{sorted(set(used_ids[bad].tolist()))[:8]}"
-            )
+    if block_table is not None:
+        check_pages_in_use(block_table, lengths, kv_c.shape[0], kv_c.shape[1])
+
+
+def check_pages_in_use(
+    block_table: torch.Tensor, lengths: torch.Tensor, num_pages: int, page_size: int
+) -> None:
+    """Every page holding one of a sequence's first ``lengths`` tokens is a page id in
+    ``[0, num_pages)`` (entries past a sequence's pages are never read, so they are free)."""
+    if not block_table.numel():
+        return
+    lengths = lengths.long().cpu()
+    pages_used = (lengths + page_size - 1) // page_size
+    in_use = torch.arange(block_table.shape[1])[None, :] < pages_used[:, None]
+    used_ids = block_table.long().cpu()[in_use]
+    bad = (used_ids < 0) | (used_ids >= num_pages)
+    if bool(bad.any()):
+        _fail(
+            f"block_table holds page ids outside [0, {num_pages}) for pages in use: "
+            f"{sorted(set(used_ids[bad].tolist()))[:8]}"
+        )
 
 
 def _values_checked_on(device: torch.device) -> bool:
@@ -468,6 +478,15 @@ def _attention_fake(
 # --- mla::paged_rows --------------------------------------------------------------------------
 
 
+def _check_paged_lengths(
+    name: str, lengths: torch.Tensor, block_table: torch.Tensor, pool: torch.Tensor
+) -> None:
+    capacity = block_table.shape[1] * pool.shape[1]
+    values = lengths.long().cpu()
+    if bool(((values < 0) | (values > capacity)).any()):
+        _fail(f"{name} must be in [0, {capacity}] (block_table's capacity), got {values.tolist()}")
+
+
 def check_paged_rows_args(
     pool: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor
 ) -> None:
@@ -495,6 +514,9 @@ def paged_rows(
     replaces by ``mla_decode`` over the pages themselves.
     """
     check_paged_rows_args(pool, block_table, cache_seqlens)
+    if _values_checked_on(pool.device):
+        _check_paged_lengths("cache_seqlens", cache_seqlens, block_table, pool)
+        check_pages_in_use(block_table, cache_seqlens, pool.shape[0], pool.shape[1])
     rows = reference.gather_rows(pool, cache_seqlens, block_table)  # [B, capacity, D]
     token = torch.arange(rows.shape[1], device=pool.device)
     beyond = token[None, :] >= cache_seqlens.long()[:, None]  # [B, capacity]
@@ -532,6 +554,11 @@ def paged_append(
         )
     page_size = pool.shape[1]
     capacity = block_table.shape[1] * page_size
+    if _values_checked_on(pool.device):
+        _check_paged_lengths("cache_seqlens", cache_seqlens, block_table, pool)
+        # the pages the new rows land on (past the capacity: the sequence's last row)
+        end = (cache_seqlens.long() + rows.shape[1]).clamp_max(capacity)
+        check_pages_in_use(block_table, end, pool.shape[0], page_size)
     new = torch.arange(rows.shape[1], device=pool.device)
     positions = (cache_seqlens.long()[:, None] + new).clamp_max(capacity - 1)  # [B, S]
     pages = block_table.long().gather(1, positions // page_size)  # [B, S]

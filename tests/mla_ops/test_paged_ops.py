@@ -86,3 +86,21 @@ def test_paged_op_errors() -> None:
         torch.ops.mla.paged_append(
             pool, table, torch.zeros(2, dtype=torch.int32), torch.zeros(2, 1, 39)
         )
+
+
+def test_page_ids_in_use_are_checked() -> None:
+    """A page id outside the pool for a page in use is an error naming it, for both ops (it was
+    clamped to another page, or failed inside index_copy_); ids past a sequence's pages are free."""
+    pool = torch.randn(4, 2, 3)
+    lengths = torch.tensor([3, 1], dtype=torch.int32)  # pages in use: 2 and 1
+    free_tail = torch.tensor([[0, 1, -1], [2, 99, 99]], dtype=torch.int32)
+    torch.ops.mla.paged_rows(pool, free_tail, lengths)  # the -1 and 99s are never read
+    bad = torch.tensor([[0, 7, -1], [2, -1, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"page ids outside \[0, 4\) for pages in use: \[7\]"):
+        torch.ops.mla.paged_rows(pool, bad, lengths)
+    # two more rows take sequence 1 (1 token) onto its second page, which is -1
+    unallocated = torch.tensor([[0, 1, 3], [2, -1, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"page ids outside \[0, 4\) for pages in use: \[-1\]"):
+        torch.ops.mla.paged_append(pool, unallocated, lengths.clone(), torch.ones(2, 2, 3))
+    with pytest.raises(ValueError, match=r"cache_seqlens must be in \[0, 6\]"):
+        torch.ops.mla.paged_rows(pool, free_tail, torch.tensor([7, 0], dtype=torch.int32))
