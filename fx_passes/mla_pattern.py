@@ -21,6 +21,7 @@ attention: ignored) or ``SkipSite`` (MLA that cannot be rewritten safely, with t
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -409,7 +410,102 @@ def match_site(candidate: Node) -> MLASite:
     # export's metadata assertions on intermediates die with them
     site.internal += [u for n in site.internal for u in n.users if kind(u) == "assert_meta"]
     _check_private(site)
+    _check_not_mutated_after_read(site)
     return site
+
+
+# Methods and functions that return a view of their first argument (writes through them reach
+# it), and those that write their first argument in place.
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze",
+    "expand", "expand_as", "narrow", "select", "contiguous", "flatten", "unflatten", "split",
+    "chunk", "unbind", "t", "as_strided", "detach", "__getitem__", "to", "type_as", "movedim",
+})  # fmt: skip
+_INPLACE_FUNCTIONS = frozenset({
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ipow, operator.iand, operator.ior,
+})  # fmt: skip
+
+
+def _returns_view(node: Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)  # an ATen overload: its alias annotations
+    if schema is not None:
+        return (
+            bool(schema.returns)
+            and schema.returns[0].alias_info is not None
+            and not (schema.returns[0].alias_info.is_write)
+        )
+    name = getattr(node.target, "__name__", "")
+    return name in _VIEW_METHODS and getattr(node.target, "__module__", "") in ("torch", None)
+
+
+def _writes_first_argument(node: Node) -> bool:
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("_")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_FUNCTIONS:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.arguments:
+        alias = schema.arguments[0].alias_info
+        return alias is not None and alias.is_write
+    name = getattr(node.target, "__name__", "")
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _aliases(node: Node) -> set[Node]:
+    """``node``, the tensor it is a view of, and every view of that tensor in the graph."""
+    root = node
+    while _returns_view(root) and root.args and isinstance(root.args[0], Node):
+        root = root.args[0]
+    found, todo = {root}, [root]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and _returns_view(user) and user.args and user.args[0] in found:
+                found.add(user)
+                todo.append(user)
+    return found
+
+
+def _check_not_mutated_after_read(site: MLASite) -> None:
+    """The absorbed form reads the latent, the projection's weight and the rope key at the
+    attention, where the original read them earlier (at ``kv_b_proj`` and where the key was
+    built): an in-place write in between would reach the rewrite but not the original."""
+    order = {node: index for index, node in enumerate(site.attention.graph.nodes)}
+    projection = next(n for n in site.internal if kind(n) == "linear")
+    key_built = min(
+        (n for n in site.internal if kind(n) in ("cat", "copy_", "setitem")), key=order.get,
+        default=projection,
+    )  # fmt: skip
+    stop = order[site.attention]
+    for what, source, read in (
+        ("the latent (kv_b_proj's input)", site.latent, projection),
+        ("kv_b_proj's weight", site.weight, projection),
+        ("the rope key", site.k_rot, key_built),
+    ):
+        if not isinstance(source, Node):
+            continue
+        for alias in _aliases(source):
+            for user in alias.users:
+                if (
+                    _writes_first_argument(user)
+                    and user.args
+                    and user.args[0] is alias
+                    and order[read] < order[user] < stop
+                    and user not in site.internal
+                ):
+                    raise SkipSite(
+                        f"{what} is modified in place ('{user.name}') after the original reads "
+                        "it and before the attention: the absorbed form would read the new value"
+                    )
 
 
 def _check_private(site: MLASite) -> None:

@@ -518,9 +518,15 @@ def paged_rows(
         _check_paged_lengths("cache_seqlens", cache_seqlens, block_table, pool)
         check_pages_in_use(block_table, cache_seqlens, pool.shape[0], pool.shape[1])
     rows = reference.gather_rows(pool, cache_seqlens, block_table)  # [B, capacity, D]
+    lengths = cache_seqlens.long()
     token = torch.arange(rows.shape[1], device=pool.device)
-    beyond = token[None, :] >= cache_seqlens.long()[:, None]  # [B, capacity]
-    return rows.masked_fill(beyond[..., None], 0.0)
+    beyond = token[None, :] >= lengths[:, None]  # [B, capacity]
+    rows = rows.masked_fill(beyond[..., None], 0.0)
+    # A sequence longer than the block table's capacity (a static cache appended past its end
+    # under a compiled step, where no host check runs) has lost rows: all of its rows are NaN,
+    # so the step's output shows it, as mla_decode's rows do, instead of drifting silently.
+    overlong = lengths > block_table.shape[1] * pool.shape[1]  # [B]
+    return rows.masked_fill(overlong[:, None, None], float("nan"))
 
 
 @paged_rows.register_fake

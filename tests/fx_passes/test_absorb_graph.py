@@ -241,3 +241,59 @@ def test_mla_eager_rejects_inductor_options() -> None:
     with pytest.raises(Exception, match="backend 'mla_eager' takes no mode or options"):
         torch._dynamo.reset()
         torch.compile(NaiveMLA().double(), backend="mla_eager", mode="max-autotune")(*inputs())
+
+
+class MutatingMLA(NaiveMLA):
+    """MLA attention whose inputs are written in place after the original reads them (the latent
+    after kv_b_proj, the rope key after the key is built) and before the attention."""
+
+    def __init__(self, mutated: str, key_form: str = "cat") -> None:
+        super().__init__(key_form, "sdpa")
+        self.mutated = mutated
+
+    def forward(self, query, latent, k_rot, mask):
+        batch, _, t, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(batch, t, -1, P + V).transpose(1, 2)
+        if self.mutated == "latent":
+            latent.mul_(2.0)  # after kv_b_proj read it
+        k_nope, value = torch.split(kv, [P, V], dim=-1)
+        key = torch.cat([k_nope, k_rot.expand(-1, H, -1, -1)], dim=-1)
+        if self.mutated == "k_rot":
+            k_rot[..., :4] = 0.0  # after the key copied it, through a view
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, query.shape[2], H * V))
+
+
+@pytest.mark.parametrize("mutated", ["latent", "k_rot"])
+def test_inputs_written_after_they_are_read_keep_the_site(mutated: str) -> None:
+    """The absorbed form would read the latent and the rope key at the attention, after the
+    write: the site is left as it is (with the reason), and the compiled model equals eager."""
+    model = MutatingMLA(mutated).double()
+    args = inputs()
+    expected = model(*[a.clone() for a in args])
+    captured = capture(model, [a.clone() for a in args])
+    counters.clear()
+    report = absorb_mla(captured.gm)
+    assert report.rewritten == 0 and counters["mla"]["skipped_sites"] == 1, str(report)
+    assert "modified in place" in str(report) and "before the attention" in str(report)
+    torch._dynamo.reset()
+    twin = MutatingMLA(mutated).double()
+    twin.load_state_dict(model.state_dict())
+    compiled = torch.compile(twin, backend="mla_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*[a.clone() for a in args]), expected, rtol=0, atol=1e-12)
+
+
+def test_a_write_before_the_read_is_still_rewritten() -> None:
+    """An in-place write that both forms see (before kv_b_proj reads the latent) is no reason
+    to skip."""
+
+    class WritesFirst(NaiveMLA):
+        def forward(self, query, latent, k_rot, mask):
+            latent.mul_(0.5)
+            return super().forward(query, latent, k_rot, mask)
+
+    model = WritesFirst().double()
+    args = inputs()
+    captured = capture(model, [a.clone() for a in args])
+    report = absorb_mla(captured.gm)
+    assert report.rewritten == 1, str(report)

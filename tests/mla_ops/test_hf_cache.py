@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -119,6 +121,20 @@ def test_latent_rows_of_the_wrong_width_are_an_error() -> None:
     assert cache.layers[0].mode is None
     cache.update(torch.randn(1, 1, 2, width), torch.randn(1, 1, 2, rope), 0)
     assert cache.layers[0].mode == "latent" and cache.get_seq_length() == 2
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_capacity_exceeded_under_a_compile_backend_is_an_error(model, backend: str) -> None:
+    """Compiled by a backend other than ``mla`` (no rewrite), a static cache's capacity is not
+    checked on the host; the overlong sequence's pages are then read by ``mla::paged_rows``,
+    which refuses the length (on CUDA, without value checks: NaN rows), never drifting."""
+    cache = MLACache(model.config, max_length=8, page_size=4, static=True)  # capacity: 8 rows
+    torch._dynamo.reset()
+    compiled = copy.copy(model)
+    compiled.forward = torch.compile(model.forward, backend=backend)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be in \[0, 8\]"):
+        generate(compiled, cache, max_new_tokens=8, do_sample=False)
+    torch._dynamo.reset()
 
 
 def test_capacity_exceeded_is_a_clear_error(model) -> None:

@@ -104,3 +104,19 @@ def test_page_ids_in_use_are_checked() -> None:
         torch.ops.mla.paged_append(pool, unallocated, lengths.clone(), torch.ones(2, 2, 3))
     with pytest.raises(ValueError, match=r"cache_seqlens must be in \[0, 6\]"):
         torch.ops.mla.paged_rows(pool, free_tail, torch.tensor([7, 0], dtype=torch.int32))
+
+
+def test_an_overlong_sequence_reads_as_nan(monkeypatch) -> None:
+    """Without value checks (CUDA's default: they would sync the host), a sequence appended past
+    the block table's capacity reads back as NaN rows, never as silently wrong values; the other
+    sequences are untouched."""
+    from mla_compile.mla_ops import ops
+
+    monkeypatch.setattr(ops, "_values_checked_on", lambda device: False)
+    pool = torch.randn(4, 2, 3)
+    block_table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    lengths = torch.tensor([4, 1], dtype=torch.int32)
+    torch.ops.mla.paged_append(pool, block_table, lengths, torch.ones(2, 1, 3))  # 5 > 4
+    rows = torch.ops.mla.paged_rows(pool, block_table, lengths)
+    assert torch.isnan(rows[0]).all()
+    assert torch.equal(rows[1, :2], pool[2]) and not rows[1, 2:].any()
