@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
-from mla_compile.mla_ops.reference import MASK_HIDDEN
+from mla_compile.mla_ops.reference import MASK_HIDDEN, mask_hidden_threshold
 
 CUSTOM_DOMAIN = "com.mla"
 CUSTOM_DOMAIN_VERSION = 1
@@ -166,7 +166,10 @@ def _standard_table() -> dict[Callable, Callable]:
                 bias = None
             else:
                 values = op.Cast(values, to=acc)
-                mask_visible = op.Greater(values, scalar_like(MASK_HIDDEN, values))
+                hidden_at = MASK_HIDDEN
+                if attn_mask.dtype == _dtype_of("FLOAT16"):
+                    hidden_at = mask_hidden_threshold(torch.float16)
+                mask_visible = op.Greater(values, scalar_like(hidden_at, values))
                 bias = op.Where(op.And(mask_visible, inside), values, zero)
             visible = op.And(visible, op.And(mask_visible, inside))
             if bias is not None:

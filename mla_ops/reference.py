@@ -42,13 +42,20 @@ def gather_rows(
 MASK_HIDDEN = -1e30
 
 
+def mask_hidden_threshold(dtype: torch.dtype) -> float:
+    """The float mask value at or below which a key is hidden: ``MASK_HIDDEN``, or the dtype's
+    most negative finite value where that is larger (float16's -65504, which Hugging Face fills
+    float16 masks with and which could never reach -1e30)."""
+    return max(MASK_HIDDEN, float(torch.finfo(dtype).min))
+
+
 def mask_over_capacity(
     attn_mask: torch.Tensor, capacity: int, acc: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_mask [B, S_q, T_m]`` as a visibility mask and an additive bias over ``capacity`` keys.
 
-    Keys at ``T_m`` and past, and float values at or below ``MASK_HIDDEN``, are hidden; a bool
-    mask has a zero bias.
+    Keys at ``T_m`` and past, and float values at or below ``mask_hidden_threshold``, are hidden;
+    a bool mask has a zero bias.
     """
     batch, s_q, mask_len = attn_mask.shape
     keep = min(mask_len, capacity)
@@ -58,8 +65,9 @@ def mask_over_capacity(
         visible[..., :keep] = attn_mask[..., :keep]
     else:
         values = attn_mask[..., :keep].to(acc)
-        visible[..., :keep] = values > MASK_HIDDEN
-        bias[..., :keep] = torch.where(values > MASK_HIDDEN, values, 0.0)
+        hidden_at = mask_hidden_threshold(attn_mask.dtype)
+        visible[..., :keep] = values > hidden_at
+        bias[..., :keep] = torch.where(values > hidden_at, values, 0.0)
     return visible, bias
 
 

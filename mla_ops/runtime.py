@@ -45,6 +45,15 @@ def _descriptor(t: torch.Tensor, block_n: int):
     return TensorDescriptor(t, [rows, width], [t.stride(1), 1], [block_n, width])
 
 
+def _hidden_keys_explicit(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels hide a key at a float mask value at or below ``reference.MASK_HIDDEN``
+    (-1e30); a float16 mask cannot hold that, so its hidden keys (float16's minimum, what Hugging
+    Face fills) become -inf, one elementwise pass, float16 masks only."""
+    if attn_mask is None or attn_mask.dtype != torch.float16:
+        return attn_mask
+    return attn_mask.masked_fill(attn_mask <= torch.finfo(torch.float16).min, float("-inf"))
+
+
 def _on_device(device: torch.device):
     """The context for a launch on ``device``: its CUDA device made current (Triton launches on
     the current one), nothing off CUDA."""
@@ -449,6 +458,7 @@ def decode(
     """
     if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the CUDA decode kernels take bf16/fp16/fp32 q, got {q.dtype}")
+    attn_mask = _hidden_keys_explicit(attn_mask)
     key = ("decode", call_signature(q, kv_c, k_pe, cache_seqlens, block_table, causal,
            num_splits, kv_scale, attn_mask, total_splits), fill_empty, options)  # fmt: skip
     launch = _lookup(key, lambda: _DecodeLaunch(plan_decode(
@@ -492,6 +502,7 @@ def attention(
     or ``mla::combine`` runs; it is made once per call signature and options, with the kernels'
     launches prepared at the first call; later calls only allocate and launch.
     """
+    attn_mask = _hidden_keys_explicit(attn_mask)
     key = ("attention", call_signature(q, kv_c, k_pe, cache_seqlens, block_table, causal,
            num_splits, kv_scale, attn_mask, total_splits), options)  # fmt: skip
     launch = _lookup(key, lambda: _AttentionLaunch(plan_decode(

@@ -457,3 +457,25 @@ def test_a_non_finite_key_stays_with_the_queries_that_see_it(bad: float) -> None
     out, lse = mla_ops.mla_decode(q, poisoned, lengths, head_dim_v=32, softmax_scale=0.2)
     assert torch.equal(out[:, 0], clean[:, 0]) and torch.isfinite(lse[:, 0]).all()
     assert not torch.isfinite(out[:, 1]).all()
+
+
+def test_a_float16_mask_hides_at_its_minimum() -> None:
+    """Hugging Face fills a float16 mask's hidden keys with float16's minimum (-65504), which
+    never reaches -1e30: it hides them all the same, so a row that sees nothing gives zeros and
+    -inf (it averaged over the hidden keys), and partly hidden rows equal the bool mask's."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 3, 48, dtype=torch.float16, generator=gen)
+    kv = torch.randn(2, 10, 48, dtype=torch.float16, generator=gen)
+    lengths = torch.tensor([10, 6], dtype=torch.int32)
+    visible = torch.ones(2, 2, 10, dtype=torch.bool)
+    visible[0, 0] = False  # a row that sees no key
+    visible[1, :, :3] = False  # left padding
+    additive = torch.zeros(2, 2, 10, dtype=torch.float16).masked_fill(
+        ~visible, torch.finfo(torch.float16).min
+    )
+    kw = dict(head_dim_v=32, softmax_scale=0.2, causal=False)
+    out, lse = mla_ops.mla_decode(q, kv, lengths, attn_mask=additive, **kw)
+    expected, expected_lse = mla_ops.mla_decode(q, kv, lengths, attn_mask=visible, **kw)
+    assert not out[0, 0].any() and torch.isneginf(lse[0, 0]).all()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    torch.testing.assert_close(lse, expected_lse, rtol=0, atol=0)

@@ -474,3 +474,21 @@ def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, dtype: torch.dtyp
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
     ref_out, ref_lse = case.reference()
     assert_matches(out, lse, ref_out, ref_lse, dtype, case.describe())
+
+
+def test_a_float16_mask_hides_at_its_minimum(kernels) -> None:
+    """The kernels under a float16 mask filled with float16's minimum: the same output as under
+    the bool mask it encodes (a fully hidden row: zeros and -inf)."""
+    case = make_case(
+        4100, dtype=torch.float16, device=DEVICE, page_size=16, dims=(32, 16), s_q=2,
+        lengths=[40, 20], heads=3, num_splits=2, causal=False, mask="bool",
+    )  # fmt: skip
+    case.attn_mask[0, 0] = False
+    additive = torch.zeros(case.attn_mask.shape, dtype=torch.float16, device=DEVICE)
+    additive = additive.masked_fill(~case.attn_mask, torch.finfo(torch.float16).min)
+    args = list(case.op_args())
+    out, lse = runtime.attention(*args[:9], additive, *args[10:])
+    ref_out, ref_lse = runtime.attention(*case.op_args())
+    assert not out[0, 0].any() and torch.isneginf(lse[0, 0]).all()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
