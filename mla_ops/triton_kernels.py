@@ -274,11 +274,6 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-    # Rows of several query positions see different keys (causal, or a mask): a key that one row
-    # sees and another does not may hold inf or NaN, and 0 * inf in the other row's P @ V is NaN.
-    # Such values are left out of the product and the rows that see them come out NaN.
-    ROWS_DIFFER: tl.constexpr = (not ONE_POSITION) and (CAUSAL or HAS_MASK)
-    non_finite_seen = tl.zeros([BLOCK_M], dtype=tl.int32)
 
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -381,11 +376,6 @@ def _mla_decode_kernel(
         alpha = tl.exp2(m_i - m_shift)
         p = tl.exp2(qk - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if ROWS_DIFFER:
-            kv_finite = (kv == kv) & (tl.abs(kv.to(tl.float32)) < float("inf"))  # [BLOCK_N, L]
-            token_finite = tl.min(kv_finite.to(tl.int32), 1) > 0  # [BLOCK_N]
-            non_finite_seen += tl.sum((visible & ~token_finite[None, :]).to(tl.int32), 1)
-            kv = tl.where(kv_finite, kv, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -403,8 +393,6 @@ def _mla_decode_kernel(
     poisoned = tl.sum(n_bad, 0) > 0
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
-    if ROWS_DIFFER:
-        out = tl.where(non_finite_seen[:, None] > 0, float("nan"), out)
 
     _store_partial(
         O_PART, LSE_PART, out, lse, b64, s_idx, h_idx, split, offs_l, row_ok, l_ok, stride_ob,

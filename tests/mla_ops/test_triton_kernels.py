@@ -492,22 +492,3 @@ def test_a_float16_mask_hides_at_its_minimum(kernels) -> None:
     assert not out[0, 0].any() and torch.isneginf(lse[0, 0]).all()
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_a_non_finite_key_stays_with_the_rows_that_see_it(kernels, bad: float, page_size) -> None:
-    """S_q = 2, causal, rows of both positions in one program: the last key, seen by the second
-    position only, holds a non-finite value. The first position's rows are what they are with a
-    finite value there; the second's are non-finite."""
-    case = make_case(
-        4200, dtype=torch.float32, device=DEVICE, page_size=page_size, dims=(32, 16), s_q=2,
-        heads=3, lengths=[50, 20], num_splits=1, causal=True,
-    )  # fmt: skip
-    clean = runtime.attention(*case.op_args())[0]
-    for b, length in enumerate(case.cache_seqlens.tolist()):
-        page = int(case.block_table[b, (length - 1) // page_size])
-        case.kv_c[page, (length - 1) % page_size] = bad
-    out = runtime.attention(*case.op_args())[0]
-    torch.testing.assert_close(out[:, 0], clean[:, 0], rtol=0, atol=0)
-    assert not torch.isfinite(out[:, 1]).any()
