@@ -369,7 +369,7 @@ def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, layout: s
 def test_float8_products_error_against_bf16_is_the_caches(
     kernels, monkeypatch, seed: int, heads: int, s_q: int
 ) -> None:
-    """The issue's measure of a float8 cache: its output against float64 attention over the bf16
+    """The measure of a float8 cache that the benchmark reports: its output against float64 attention over the bf16
     cache it was quantised from. Multiplied in float8 (16-row programs, width 512: the query as two
     e4m3 terms, P in e4m3) the error stays within e4m3's precision (under 5 %, as ``test_decode``'s
     bound) and within a quarter more than the fp16 products' (the cache's own rounding dominates
