@@ -369,13 +369,13 @@ def test_fp8_cache_query_outside_fp16_range(kernels, query_max: float, layout: s
 def test_float8_products_error_against_bf16_is_the_caches(
     kernels, monkeypatch, seed: int, heads: int, s_q: int
 ) -> None:
-    """The measure of a float8 cache that the benchmark reports: its output against float64 attention over the bf16
-    cache it was quantised from. Multiplied in float8 (16-row programs, width 512: the query as two
-    e4m3 terms, P in e4m3) the error stays within e4m3's precision (under 5 %, as ``test_decode``'s
-    bound) and within a quarter more than the fp16 products' (the cache's own rounding dominates
-    both: +1 % on bench_decode's h16_b128_4k_fp8; +15 % on this file's 6 query rows and a 2-token
-    sequence, where P's rounding weighs more; with the query as one e4m3 term h16_b128_4k_fp8's
-    error was a third larger). Odd heads, S_q = 2 (causal), splits, partial last
+    """The float8 cache's error as the benchmark reports it: its output against float64 attention
+    over the bf16 cache it was quantised from. Multiplied in float8 (16-row programs, width 512: the
+    query as two e4m3 terms, P in e4m3) the error stays within e4m3's precision (under 5 %, as
+    ``test_decode``'s bound) and within a quarter more than the fp16 products' (the cache's own
+    rounding dominates both: +1 % on bench_decode's h16_b128_4k_fp8; +15 % on this file's 6 query
+    rows and a 2-token sequence, where P's rounding weighs more; with the query as one e4m3 term
+    h16_b128_4k_fp8's error was a third larger). Odd heads, S_q = 2 (causal), splits, partial last
     tiles, stale rows (NaN)."""
 
     case = make_case(
