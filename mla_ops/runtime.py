@@ -19,7 +19,7 @@ from . import device
 from .launcher import Data, PreparedLaunch
 from .plan_cache import PlanCache
 from .planner import DEFAULT_OPTIONS, DecodeOptions, DecodePlan, plan_combine, plan_decode
-from .reference import MASK_HIDDEN, accumulation_dtype
+from .reference import MASK_HIDDEN, accumulation_dtype, mask_hidden_threshold
 from .splits import MIN_CHUNK, SPLIT_GRANULE
 from .tiling import next_pow2
 from .triton_kernels import _mla_combine_kernel, _mla_decode_kernel
@@ -47,11 +47,15 @@ def _descriptor(t: torch.Tensor, block_n: int):
 
 def _hidden_keys_explicit(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels hide a key at a float mask value at or below ``reference.MASK_HIDDEN``
-    (-1e30); a float16 mask cannot hold that, so its hidden keys (float16's minimum, what Hugging
-    Face fills) become -inf, one elementwise pass, float16 masks only."""
-    if attn_mask is None or attn_mask.dtype != torch.float16:
+    (-1e30). A mask dtype that cannot hold that (float16) hides at its own minimum
+    (``reference.mask_hidden_threshold``): those keys become -inf, one elementwise pass, for such
+    masks only."""
+    if attn_mask is None or attn_mask.dtype == torch.bool:
         return attn_mask
-    return attn_mask.masked_fill(attn_mask <= torch.finfo(torch.float16).min, float("-inf"))
+    hidden_at = mask_hidden_threshold(attn_mask.dtype)
+    if hidden_at <= MASK_HIDDEN:
+        return attn_mask
+    return attn_mask.masked_fill(attn_mask <= hidden_at, float("-inf"))
 
 
 def _on_device(device: torch.device):

@@ -237,8 +237,10 @@ def prepare(
                 f"{'given' if attn_mask is not None else 'None'}"
             )
         num_stages = 3
-    elif one_scorer:
-        num_stages = 2
+    elif one_scorer and num_stages != 2:
+        raise ValueError(
+            f"one_scorer: num_stages must be 2 without the query in registers, got {num_stages}"
+        )
     if rows_on_m is None:
         rows_on_m = default_rows_on_m(block_m, num_warps, float8) and attn_mask is None
     if attn_mask is not None and rows_on_m:

@@ -29,24 +29,21 @@ def test_capacity_must_be_positive() -> None:
         PlanCache(capacity=0)
 
 
-def test_concurrent_callers() -> None:
-    """Eight threads putting and looking up overlapping keys past the capacity: no exception,
-    the bound holds, and every caller of one key gets the same kept entry."""
-    cache = PlanCache(capacity=16)
+def _hammer(cache: PlanCache, keys: int, seen: dict[int, set[int]]) -> None:
+    """Eight threads looking up and putting overlapping keys at once; raises what any raised."""
     errors: list[BaseException] = []
-    seen: dict[int, set[int]] = {k: set() for k in range(64)}
     start = threading.Barrier(8)
 
     def work(worker: int) -> None:
         try:
             start.wait()
             for i in range(4000):
-                key = (i * 7 + worker) % 64
+                key = (i * 7 + worker) % keys
                 kept = cache.lookup(key)
                 if kept is None:
                     kept = cache.put(key, object())
                 seen[key].add(id(kept))
-                assert len(cache) <= 16
+                assert len(cache) <= cache.capacity
         except BaseException as e:
             errors.append(e)
 
@@ -56,7 +53,22 @@ def test_concurrent_callers() -> None:
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+def test_concurrent_callers_past_the_capacity() -> None:
+    """Evictions under eight threads: no exception, and the bound holds throughout."""
+    cache = PlanCache(capacity=16)
+    _hammer(cache, 64, {k: set() for k in range(64)})
     assert len(cache) <= 16
+
+
+def test_concurrent_callers_share_one_entry_per_key() -> None:
+    """Without evictions, every caller of a key gets the one entry kept for it, however the
+    threads interleave (a second put returns the first entry)."""
+    cache = PlanCache(capacity=64)
+    seen: dict[int, set[int]] = {k: set() for k in range(32)}
+    _hammer(cache, 32, seen)
+    assert all(len(ids) == 1 for ids in seen.values()), seen
 
 
 def test_options_are_explicit_and_hashable() -> None:
