@@ -3,8 +3,14 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# The CPU wheel of torch: a bare `torch` requirement may pull a multi-GB CUDA build instead.
+# torch: the release, and the index its build comes from. PyTorch's CPU-only index by default, so a
+# machine without a GPU gets the CPU build (about 190 MB) instead of PyPI's CUDA build (several GB);
+# for a GPU build: TORCH_INDEX=https://download.pytorch.org/whl/cu130, or TORCH_INDEX= for PyPI's.
+# It is an extra index: a wheel that pip's own configuration supplies (a local wheel folder or
+# index) is still found, and an index that cannot be reached is skipped after one try.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+PIP_TORCH = --retries 0 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 
 # The run pinned to a transformers release whose MLA attention caches expanded K/V (<= 5.14):
 # the rewritten model must cache latents there too.
@@ -24,10 +30,21 @@ XDIST := -n $(TEST_WORKERS) --maxprocesses=8
 
 .PHONY: demo test test-legacy test-mixed lint format install clean
 
-$(VENV)/.installed: pyproject.toml Makefile
+# One venv, two sentinels: the demo needs transformers; the suite also Triton (its interpreter runs
+# the kernels on CPU), ONNX and the test tools.
+$(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)" -e ".[test,bench]"
+	touch $@
+
+$(VENV)/.installed-demo: pyproject.toml Makefile $(VENV)/.created
+	$(PY) -m pip install --quiet $(PIP_TORCH)
+	$(PY) -m pip install --quiet -e ".[hf,bench]"
+	touch $@
+
+$(VENV)/.installed: pyproject.toml Makefile $(VENV)/.created
+	$(PY) -m pip install --quiet $(PIP_TORCH)
+	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $@
 
 # A venv pinned to one transformers release: $(1) its folder, $(2) the requirement.
@@ -35,7 +52,8 @@ define pinned_venv
 $(1)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet "$(TORCH_SPEC)" -e ".[test]" "$(2)"
+	$(1)/bin/python -m pip install --quiet $(PIP_TORCH)
+	$(1)/bin/python -m pip install --quiet -e ".[test]" "$(2)"
 	touch $$@
 endef
 $(eval $(call pinned_venv,$(LEGACY_VENV),$(TRANSFORMERS_LEGACY)))
@@ -43,8 +61,8 @@ $(eval $(call pinned_venv,$(MIXED_VENV),$(TRANSFORMERS_MIXED)))
 
 install: $(VENV)/.installed
 
-demo: install
-	$(PY) examples/generate.py
+demo: $(VENV)/.installed-demo
+	$(PY) examples/generate.py $(DEMO_ARGS)
 
 test: install
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)

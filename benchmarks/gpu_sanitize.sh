@@ -7,6 +7,7 @@ set -uo pipefail
 OUT=${OUT:-.}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 TOOLS=${*:-memcheck racecheck synccheck}
+LIMIT=${SANITIZE_LIMIT_S:-120}  # seconds a path may take under one tool
 for tool in $TOOLS; do
   if [ "$tool" = memcheck ]; then
     compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/sanitize_kernels.py \
@@ -16,7 +17,7 @@ for tool in $TOOLS; do
     continue
   fi
   for path in $(python3 benchmarks/sanitize_kernels.py --list); do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_kernels.py \
+    timeout "$LIMIT" compute-sanitizer --tool "$tool" --error-exitcode 9 python3 benchmarks/sanitize_kernels.py \
       --paths "$path" > "$OUT/sanitize_${tool}_${path}.log" 2>&1
     echo "$tool $path: exit $? $(grep -h 'ERROR SUMMARY\|RACECHECK SUMMARY' \
       "$OUT/sanitize_${tool}_${path}.log" | tr '\n' ' ')"

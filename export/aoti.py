@@ -10,13 +10,14 @@ find schema for mla::attention": ``load_package`` turns that into a message nami
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
 from .archive import check_package_archive
-from .program import registration_hint
+from .program import register_transformers_ops, registration_hint
 
 
 def compile_package(
@@ -33,9 +34,16 @@ def compile_package(
         )
     if not str(path).endswith(".pt2"):
         raise ValueError(f"path must end in .pt2 (AOTInductor's package format), got {path!r}")
-    return torch._inductor.aoti_compile_and_package(
-        program, package_path=os.fspath(path), inductor_configs=inductor_configs
-    )
+    with warnings.catch_warnings():
+        # Said on every compile of these models, by torch, about torch: a pytree deprecation,
+        # and complex RoPE (DeepSeek-V2's) running as eager ops.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)`")
+        warnings.filterwarnings(
+            "ignore", message="Torchinductor does not support code generation for complex"
+        )
+        return torch._inductor.aoti_compile_and_package(
+            program, package_path=os.fspath(path), inductor_configs=inductor_configs
+        )
 
 
 def load_package(path: str | os.PathLike) -> Callable:
@@ -58,7 +66,11 @@ def load_package(path: str | os.PathLike) -> Callable:
     except RuntimeError as error:
         if "mla::" in str(error):
             raise RuntimeError(registration_hint()) from error
-        raise
+        if "transformers::" not in str(error):
+            raise
+        # A model built the default way: its experts call transformers' own op back.
+        register_transformers_ops()
+        runner = torch._inductor.aoti_load_package(os.fspath(path))
 
     def run(*args, **kwargs):
         args, kwargs = pytree.tree_map_only(torch.Tensor, _contiguous, (args, kwargs))

@@ -19,8 +19,11 @@ must see the same values as in PyTorch.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -428,18 +431,66 @@ def step_io_names(
     return head + [f"past.{n}" for n in names[:past]], ["logits"] + [f"present.{n}" for n in names]
 
 
+# --- Mixture-of-Experts products ---------------------------------------------------------------
+
+
+def grouped_rows_mm(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    offs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """A grouped product as one batched product: row ``s`` of ``input [S, K]`` times
+    ``weight[e] [K, N]``, ``e`` the group whose range ``[offs[e - 1], offs[e])`` holds ``s``;
+    rows past ``offs[-1]`` give zeros. Returns ``[S, N]``.
+
+    What transformers' experts (``experts_implementation="grouped_mm"``, its default) emit:
+    ``aten._grouped_mm`` for bfloat16 and ``transformers::grouped_mm_fallback`` otherwise, neither
+    of which the ONNX exporter translates. This form uses only comparisons, a gather and a
+    batched matmul; it holds one ``[K, N]`` weight per row (``S * K * N`` elements), which is
+    what a decode step (``S`` = batch x experts per token) can afford.
+    """
+    if input.dim() != 2 or weight.dim() != 3 or offs is None:
+        raise NotImplementedError(
+            "grouped_rows_mm translates the experts' form only: input [S, K], weight [E, K, N] "
+            f"and offs [E]; got input {tuple(input.shape)}, weight {tuple(weight.shape)}, "
+            f"offs {None if offs is None else tuple(offs.shape)}"
+        )
+    rows = torch.arange(input.shape[0], device=input.device, dtype=offs.dtype)
+    group = (offs.unsqueeze(0) <= rows.unsqueeze(1)).sum(dim=1)  # [S]: E past offs[-1]
+    inside = group < weight.shape[0]
+    group = group.clamp(max=weight.shape[0] - 1)
+    out = torch.matmul(input.to(weight.dtype).unsqueeze(1), weight[group]).squeeze(1)  # [S, N]
+    if bias is not None:
+        out = out + bias[group]
+    out = torch.where(inside.unsqueeze(1), out, torch.zeros((), dtype=out.dtype))
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def _experts_decompositions() -> dict:
+    """The decomposition table that turns the experts' grouped products into ``grouped_rows_mm``
+    (transformers' op only where transformers registered it)."""
+    table = {torch.ops.aten._grouped_mm.default: grouped_rows_mm}
+    fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)
+    if fallback is not None:
+        table[fallback.default] = grouped_rows_mm
+    return table
+
+
 # --- complex-valued nodes ----------------------------------------------------------------------
 
 
 def _complex_as_real(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
     """A copy of ``program`` whose complex ``unsqueeze`` runs on a ``view_as_real`` view
-    (``[..., 2]`` real pairs).
+    (``[..., 2]`` real pairs) and whose experts' grouped products are ``grouped_rows_mm``.
 
     The ONNX exporter represents complex tensors as such pairs but has no complex translation
     of ``unsqueeze``, which DeepSeek-V2's complex RoPE (``freqs_cis``) uses; the rewrite is exact
     (the same values, viewed). Other graphs come back unchanged.
     """
-    program = program.run_decompositions({})  # a new program (weights shared, not copied)
+    # A new program (weights shared, not copied), the experts' grouped products decomposed.
+    program = program.run_decompositions(_experts_decompositions())
     graph = program.graph_module.graph
     aten = torch.ops.aten
     changed = False
@@ -500,18 +551,42 @@ def export_onnx(
     table = _standard_table() if translation == "standard" else _custom_table()
     if input_names is None and output_names is None:
         input_names, output_names = step_io_names(program)
-    onnx_program = torch.onnx.export(
-        _complex_as_real(program),
-        dynamo=True,
-        custom_translation_table=table,
-        opset_version=OPSET,
-        input_names=input_names,
-        output_names=output_names,
-        verbose=False,
-    )
+    with _exporter_notices_quiet():
+        onnx_program = torch.onnx.export(
+            _complex_as_real(program),
+            dynamo=True,
+            custom_translation_table=table,
+            opset_version=OPSET,
+            input_names=input_names,
+            output_names=output_names,
+            verbose=False,
+        )
     if path is not None:
         onnx_program.save(os.fspath(path), external_data=False)
     return onnx_program
+
+
+@contextlib.contextmanager
+def _exporter_notices_quiet():
+    """Silence what the exporter says about itself on every export, none of which concerns the
+    program: torchvision's ops it skips when torchvision is absent, an empty attribute list's
+    type, a pytree deprecation inside torch. Errors and every other warning pass."""
+    loggers = [
+        logging.getLogger("torch.onnx._internal.exporter._registration"),
+        logging.getLogger("onnx_ir._convenience"),
+    ]
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+        )
+        try:
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 def _tensor_type(dtype):

@@ -11,6 +11,7 @@ import os
 import re
 import zipfile
 
+import sympy
 import torch
 
 from mla_compile.fx_passes import absorb_mla
@@ -147,6 +148,8 @@ def load_program(
     with open(path, "rb") as file:
         archive = check_program_archive(file, shown, max_member_bytes)
         targets = _mla_targets(archive, shown, max_member_bytes)
+        if _names_transformers_ops(archive):
+            register_transformers_ops()
         missing = [op for op in sorted(targets) if not _resolves(op)]
         if missing:
             raise RuntimeError(
@@ -154,7 +157,23 @@ def load_program(
                 "(is it from a newer mla-compile?). " + _REGISTRATION_HINT
             )
         file.seek(0)
-        return torch.export.load(file)
+        program = torch.export.load(file)
+    _drop_expression_ranges(program)
+    return program
+
+
+def _drop_expression_ranges(program: torch.export.ExportedProgram) -> None:
+    """A deserialised program's shape environment ranges its range constraints' expressions
+    (``s17 + 1``) beside its symbols, which ``run_decompositions`` (ONNX export, AOTInductor)
+    refuses ("expected sympy.Symbol"); a freshly exported program ranges symbols only. The
+    expressions' ranges follow from their symbols', so dropping them loses nothing."""
+    from torch._export.utils import _get_shape_env_from_gm
+
+    shape_env = _get_shape_env_from_gm(program.graph_module)
+    if shape_env is None:
+        return
+    for key in [k for k in shape_env.var_to_range if not isinstance(k, sympy.Symbol)]:
+        del shape_env.var_to_range[key]
 
 
 def mla_ops_in_archive(
@@ -178,6 +197,30 @@ def _mla_targets(archive: zipfile.ZipFile, shown: str, max_member_bytes: int) ->
 
 
 _MLA_TARGET = re.compile(r"torch\.ops\.(mla\.\w+\.\w+)")
+_TRANSFORMERS_TARGET = re.compile(r"torch\.ops\.transformers\.\w+")
+
+
+def _names_transformers_ops(archive: zipfile.ZipFile) -> bool:
+    return any(
+        _TRANSFORMERS_TARGET.search(archive.read(name).decode("utf-8", errors="replace"))
+        for name in archive.namelist()
+        if name.endswith(".json")
+    )
+
+
+def register_transformers_ops() -> None:
+    """Register the custom ops transformers' own layers put into a traced graph (the experts'
+    ``transformers::grouped_mm_fallback`` of a model built the default way), which transformers
+    defines when its integration module is imported: a program exported from such a model
+    calls them. Needs transformers installed (the ``[hf]`` extra)."""
+    try:
+        import transformers.integrations.moe  # noqa: F401  (defines torch.ops.transformers.*)
+    except ImportError as error:
+        raise ImportError(
+            "this program calls transformers' own ops (torch.ops.transformers.*, the experts of "
+            "a model built the default way): install transformers in the loading process "
+            "(pip install 'mla-compile[hf]')"
+        ) from error
 
 
 def _resolves(target: str) -> bool:

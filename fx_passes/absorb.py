@@ -18,9 +18,11 @@ magnitude. Prefill amortises the expansion and its matmuls are dense, so the ori
 rule: rewrite when ``S <= max_q_len`` (default 8, the multi-token-prediction range our decode
 kernel serves); sites with a longer or symbolic S are left as they are, reported with the reason.
 
-Observability: ``torch._dynamo.utils.counters["mla"]["absorbed_sites"]`` (and ``skipped_sites``)
-count sites; the ``fx_passes`` logger (standard ``logging``, silent by default) reports each site
-found, rewritten or skipped with the reason at INFO; ``absorb_mla`` returns an ``AbsorbReport``.
+Observability: ``torch._dynamo.utils.counters["mla"]`` counts ``absorbed_sites`` (rewritten),
+``kept_sites`` (left un-absorbed by the cost rule: prefill, by design) and ``skipped_sites`` (an MLA
+site the rewrite cannot take safely, e.g. one whose inputs are modified in place: each is worth a
+look); the ``fx_passes`` logger (standard ``logging``, silent by default) reports each site found,
+rewritten, kept or skipped with the reason at INFO; ``absorb_mla`` returns an ``AbsorbReport``.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
 from .latent_cache import rewrite_cache_updates
 from .mla_pattern import MLASite, NotMLA, SkipSite, attention_candidates, match_site
 
-log = logging.getLogger("fx_passes")
+log = logging.getLogger("mla_compile.fx_passes")
 
 DEFAULT_MAX_Q_LEN = 8
 
@@ -152,8 +154,10 @@ class SiteReport:
     """What ``absorb_mla`` did at one MLA site."""
 
     node: str
-    status: str  # "rewritten", "skipped" or "latent-cache" (a cache update now storing latents)
-    reason: str  # why it was skipped, or the shapes it was rewritten with
+    # "rewritten"; "kept" (un-absorbed by the cost rule: prefill); "skipped" (not safe to take);
+    # or "latent-cache" (a cache update now storing latents)
+    status: str
+    reason: str  # why it was kept or skipped, or the shapes it was rewritten with
 
 
 @dataclass
@@ -175,7 +179,13 @@ class AbsorbReport:
         return sum(s.status == "latent-cache" for s in self.sites)
 
     @property
+    def kept(self) -> list[SiteReport]:
+        """Sites left un-absorbed by the cost rule (prefill query lengths)."""
+        return [s for s in self.sites if s.status == "kept"]
+
+    @property
     def skipped(self) -> list[SiteReport]:
+        """MLA sites the rewrite could not take safely (the reason says why)."""
         return [s for s in self.sites if s.status == "skipped"]
 
     def __str__(self) -> str:
@@ -222,13 +232,11 @@ def absorb_mla(
             continue
         log.info("fx_passes: found MLA site, %s", site.describe())
         if not isinstance(site.q_len, int):
-            _skip(report, site.attention.name, f"symbolic query length {site.q_len}: kept")
+            _keep(report, site.attention.name, f"symbolic query length {site.q_len} (prefill)")
             continue
         if site.q_len > max_q_len:
-            _skip(
-                report,
-                site.attention.name,
-                f"prefill (S_q={site.q_len} > max_q_len={max_q_len}): un-absorbed form kept",
+            _keep(
+                report, site.attention.name, f"prefill (S_q={site.q_len} > max_q_len={max_q_len})"
             )
             continue
         read = _rewrite(gm, site)
@@ -305,6 +313,12 @@ def _dynamic_shapes_of(program: torch.export.ExportedProgram):
         leaves.append(spec)
     args_spec, _ = _pytree.tree_unflatten(leaves, program.call_spec.in_spec)
     return args_spec
+
+
+def _keep(report: AbsorbReport, name: str, reason: str) -> None:
+    counters["mla"]["kept_sites"] += 1
+    report.sites.append(SiteReport(name, "kept", f"{reason}: un-absorbed form kept (cost rule)"))
+    log.info("fx_passes: kept MLA site '%s' un-absorbed: %s", name, reason)
 
 
 def _skip(report: AbsorbReport, name: str, reason: str) -> None:

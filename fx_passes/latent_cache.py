@@ -29,7 +29,7 @@ from torch.fx import Graph, Node
 from .graph_ops import kind, meta_value, shape
 from .mla_pattern import NotMLA, SkipSite, match_kv
 
-log = logging.getLogger("fx_passes")
+log = logging.getLogger("mla_compile.fx_passes")
 aten = torch.ops.aten
 
 

@@ -32,11 +32,18 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
-import transformers
-from transformers.cache_utils import Cache, CacheLayerMixin
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, CacheLayerMixin
+except ImportError as error:  # the [hf] extra
+    raise ImportError(
+        "mla_compile.mla_ops.hf_cache (MLACache) needs Hugging Face transformers >= 5.14: "
+        "pip install 'mla-compile[hf]'"
+    ) from error
 
 from .paged_cache import PagedLatentCache, capacity_for
 
@@ -78,6 +85,13 @@ def output_cache(output: Any) -> Cache | None:
     (transformers >= 5.24, where reading ``past_key_values`` warns) or ``past_key_values``."""
     fields = getattr(type(output), "__dataclass_fields__", {})
     return output.cache if "cache" in fields else output.past_key_values
+
+
+@torch.compiler.disable(reason="raises a refusal in eager mode, where its message stays first")
+def _refuse(error: Exception) -> NoReturn:
+    """Raise ``error`` as it is, also from a compiled forward: raised while dynamo traces, an
+    exception comes back wrapped in dynamo's own, the advice buried in its debug context."""
+    raise error
 
 
 class _SharedStore:
@@ -208,18 +222,22 @@ class MLACacheLayer(CacheLayerMixin):
         widths = (key_states.shape[-1], value_states.shape[-1])
         if widths == (store.kv_len, store.rope_len) or widths == store.single_head_widths:
             return
-        raise ValueError(
-            f"MLACache layer {self.layer_idx}: latent rows of widths (kv_c {widths[0]}, k_pe "
-            f"{widths[1]}); the config gives kv_lora_rank={store.kv_len} and "
-            f"qk_rope_head_dim={store.rope_len}"
+        _refuse(
+            ValueError(
+                f"MLACache layer {self.layer_idx}: latent rows of widths (kv_c {widths[0]}, k_pe "
+                f"{widths[1]}); the config gives kv_lora_rank={store.kv_len} and "
+                f"qk_rope_head_dim={store.rope_len}"
+            )
         )
 
     def _check_compile_mode(self) -> None:
         if not self.store.static and torch.compiler.is_compiling():
-            raise RuntimeError(
-                "MLACache(static=False) grows its pages and lengths on the host, which "
-                "torch.compile would guard on at every step: use MLACache(..., static=True) "
-                "with torch.compile"
+            _refuse(
+                RuntimeError(
+                    "MLACache(static=False) grows its pages and lengths on the host, which "
+                    "torch.compile would guard on at every step: use MLACache(..., static=True) "
+                    "with torch.compile"
+                )
             )
 
     def _update_traced_expanded(
@@ -268,15 +286,32 @@ class MLACacheLayer(CacheLayerMixin):
         return self.expanded
 
     def _set_mode(self, mode: str) -> None:
-        if self.mode not in (None, mode):
-            raise RuntimeError(
-                f"MLACache layer {self.layer_idx} holds {self.mode} rows and was handed {mode} "
-                "ones: with transformers < 5.15 run every step of a generation through "
-                "torch.compile(backend='mla') (latents) or none (expanded K/V); reset() between"
+        # Under compile the mode is stored, not read (a read would guard the graph on the
+        # layer's history and recompile after the first call or a reset); expanded rows, the
+        # one conflict a compiled step can meet, show as ``self.expanded``.
+        conflict = self.expanded is not None if torch.compiler.is_compiling() else self.mode
+        if conflict and self.mode != mode:
+            _refuse(
+                RuntimeError(
+                    f"MLACache layer {self.layer_idx} holds {self.mode} rows and was handed "
+                    f"{mode} ones: with transformers < 5.15 run every step of a generation "
+                    "through torch.compile(backend='mla') (latents) or none (expanded K/V); "
+                    "reset() between"
+                )
             )
         self.mode = mode
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # generate() treats the tokens a cache holds as the start of its prompt and runs only
+        # the rest: a prompt no longer than them leaves nothing to run (the model then fails on
+        # an empty tensor).
+        if query_length == 0 and not torch.compiler.is_compiling():
+            raise ValueError(
+                f"MLACache already holds {int(self.get_seq_length())} tokens per sequence, as "
+                "many as or more than the new input: call cache.reset() before generating from "
+                "a new prompt (generate() reads a cache's tokens as the prompt's first ones, so "
+                "a follow-up turn passes the whole conversation)"
+            )
         # Static mode returns (and masks) the whole capacity; Hugging Face may build this mask
         # outside the compiled forward, so it cannot depend on whether tracing is on.
         if self.store.static:
@@ -286,7 +321,7 @@ class MLACacheLayer(CacheLayerMixin):
     def get_seq_length(self) -> int | torch.Tensor:
         """Tokens cached per sequence; static mode: a 0-dim device tensor (as Hugging Face's
         ``StaticLayer``), so reading it needs no host sync and adds no guard."""
-        if self.mode == "expanded":
+        if self.expanded is not None:  # expanded mode (read instead of the mode: see _set_mode)
             return self.expanded[0].shape[-2]
         cache = self.store.cache
         if cache is None:
@@ -299,9 +334,12 @@ class MLACacheLayer(CacheLayerMixin):
         return self.store.max_length
 
     def reset(self) -> None:
+        """Empty the layer. The storage stays where it is, and a layer that held latents still
+        expects latents: a compiled step reads both, so neither change makes it recompile."""
         if self.store.cache is not None:
             self.store.cache.crop(0, layer=self.layer_idx)
-        self.mode, self.expanded = None, None
+        if self.mode != "latent":
+            self.mode, self.expanded = None, None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.expanded is not None:
@@ -385,6 +423,13 @@ class MLACache(Cache):
         page_size: tokens per page.
         static: allocate every page up front (fixed tensor addresses).
         num_pages: pages per layer pool (default: enough for the batch at ``max_length``).
+        batch_size, dtype, device: allocate the storage now (all three, or none: then at the
+            first update). With ``torch.compile`` this keeps the first prefill's graph for every
+            later one.
+
+    Reuse: ``reset()`` before a new prompt (no recompilation). Without it ``generate()`` reads
+    the cached tokens as the prompt's first ones, as with any Hugging Face cache: a follow-up
+    turn passes the whole conversation; a prompt no longer than the cache is refused.
     """
 
     def __init__(
@@ -394,6 +439,10 @@ class MLACache(Cache):
         page_size: int = 64,
         static: bool = False,
         num_pages: int | None = None,
+        *,
+        batch_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         text = config.get_text_config()
         # The refusals come first: they read no per-layer attribute, which a heterogeneous
@@ -458,6 +507,19 @@ class MLACache(Cache):
         super().__init__(
             layers=[MLACacheLayer(self.store, i) for i in range(text.num_hidden_layers)]
         )
+        given = [batch_size is not None, dtype is not None, device is not None]
+        if any(given) and not all(given):
+            raise ValueError(
+                "MLACache: batch_size, dtype and device allocate the storage up front and come "
+                f"together; got batch_size={batch_size}, dtype={dtype}, device={device}"
+            )
+        if all(given):
+            # Allocated now rather than inside the first compiled prefill: that prefill and
+            # every later one then see the same storage and share one graph.
+            self.store.get(batch_size, dtype, torch.device(device))
+            for layer in self.layers:
+                layer.dtype, layer.device = dtype, torch.device(device)
+                layer.is_initialized = True
 
     @property
     def paged(self) -> PagedLatentCache | None:

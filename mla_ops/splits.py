@@ -28,7 +28,7 @@ import torch
 
 from .device import multiprocessor_count
 
-log = logging.getLogger("mla_ops")
+log = logging.getLogger("mla_compile.mla_ops")
 
 # Chunks are cut at this granularity (tokens): a multiple of every KV tile size the kernel uses.
 SPLIT_GRANULE = 64

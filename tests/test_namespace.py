@@ -54,3 +54,16 @@ def test_bare_names_warn_and_alias(name: str, tmp_path) -> None:
     assert done.stdout.strip() == f"mla_compile.{name}.{sub}"
     assert done.stderr.count("is deprecated and goes in the next release") == 1, done.stderr
     assert f"import mla_compile.{name} instead" in done.stderr
+
+
+def test_the_cache_without_transformers_names_the_extra() -> None:
+    """``MLACache`` needs transformers (the ``[hf]`` extra): without it the import error says so."""
+    code = (
+        "import sys; sys.modules['transformers'] = None\n"
+        "try:\n"
+        "    import mla_compile.mla_ops.hf_cache\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "pip install 'mla-compile[hf]'" in done.stdout, done.stdout + done.stderr

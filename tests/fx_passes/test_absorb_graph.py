@@ -132,7 +132,7 @@ def test_counter_and_log(caplog) -> None:
     counters.clear()
     model = NaiveMLA().double()
     args = inputs()
-    with caplog.at_level(logging.INFO, logger="fx_passes"):
+    with caplog.at_level(logging.INFO, logger="mla_compile.fx_passes"):
         torch._dynamo.reset()
         out = torch.compile(model, backend="mla_eager", fullgraph=True)(*args)
     assert counters["mla"]["absorbed_sites"] == 1
@@ -151,7 +151,7 @@ def test_reused_kv_projection_is_skipped(caplog) -> None:
     model = NaiveMLA(reuse_kv=True).double()
     args = inputs()
     captured = capture(model, args)
-    with caplog.at_level(logging.INFO, logger="fx_passes"):
+    with caplog.at_level(logging.INFO, logger="mla_compile.fx_passes"):
         report = absorb_mla(captured.gm)
     assert report.rewritten == 0
     assert len(report.skipped) == 1
@@ -170,8 +170,11 @@ def test_prefill_is_kept() -> None:
     model = NaiveMLA().double()
     args = inputs(q_len=T)
     captured = capture(model, args)
+    counters.clear()
     report = absorb_mla(captured.gm, max_q_len=8)
-    assert report.rewritten == 0 and "prefill (S_q=9 > max_q_len=8)" in report.skipped[0].reason
+    assert report.rewritten == 0 and not report.skipped
+    assert "prefill (S_q=9 > max_q_len=8)" in report.kept[0].reason
+    assert counters["mla"]["kept_sites"] == 1 and counters["mla"]["skipped_sites"] == 0
     assert "absorbed_mla_attention" not in " ".join(node_targets(captured.gm))
     # and with a larger limit the same graph is rewritten and still exact (S_q > 1, masked)
     captured = capture(model, args)

@@ -241,10 +241,16 @@ def tiny_model(
     dtype: torch.dtype = torch.float64,
     seed: int = 0,
 ):
-    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode."""
+    """A tiny random ``*ForCausalLM`` of ``family`` in eval mode, built as transformers builds
+    by default; in float64 with ``experts_implementation="batched_mm"`` (the same products), since
+    these tests also run the original uncompiled and torch's grouped product, the default's
+    eager path, takes no float64 on CPU (``test_default_build.py`` runs the default build in
+    float64 where it can run: compiled)."""
     config = _config(family, q_lora_rank, yarn)
     torch.manual_seed(seed)
-    kwargs = dict(dtype=dtype, attn_implementation=attn, experts_implementation="batched_mm")
+    kwargs = dict(dtype=dtype, attn_implementation=attn)
+    if dtype == torch.float64:
+        kwargs["experts_implementation"] = "batched_mm"
     class_name = type(config).__name__.replace("Config", "ForCausalLM")
     model_class = getattr(transformers, MODEL_CLASSES.get(family, class_name), None)
     if model_class is not None:  # mistral4 has no AutoModelForCausalLM entry

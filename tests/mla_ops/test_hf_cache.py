@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 pytest.importorskip("transformers")
 from mla_compile.mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs
@@ -95,6 +96,56 @@ def test_reset_between_generations(model) -> None:
     assert torch.equal(generate(model, cache, **kw), first)
 
 
+def test_a_compiled_reuse_after_reset_compiles_nothing() -> None:
+    """reset() between prompts: with the storage allocated up front, the first generation's
+    prefill and decode graphs (a model built the default way compiles in one graph each) serve
+    every later one, and each gives a fresh cache's tokens."""
+    from tests.fx_passes.tiny_models import tiny_model
+
+    model = tiny_model("deepseek_v3", dtype=torch.float32)
+    want = generate(model, max_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model.forward = torch.compile(model.forward, backend="mla_eager", fullgraph=True)
+    cache = MLACache(
+        model.config, max_length=64, page_size=8, static=True,
+        batch_size=3, dtype=torch.float32, device="cpu",
+    )  # fmt: skip
+    for _ in range(3):
+        cache.reset()
+        assert torch.equal(generate(model, cache, max_new_tokens=6, do_sample=False), want)
+    assert counters["stats"]["unique_graphs"] == 2  # one prefill, one decode graph
+    torch._dynamo.reset()
+
+
+def test_a_new_prompt_without_reset_is_refused(model) -> None:
+    """generate() reads a cache's tokens as the start of the prompt: a prompt no longer than
+    them leaves nothing to run, and the error says to reset() (rather than failing on an empty
+    tensor inside the model)."""
+    cache = MLACache(model.config, max_length=64, page_size=8, static=True)
+    generate(model, cache, max_new_tokens=8, do_sample=False)  # prompts of 7: 14 tokens cached
+    with pytest.raises(ValueError, match=r"holds 14 tokens .* call cache\.reset\(\)"):
+        generate(model, cache, max_new_tokens=8, do_sample=False)
+
+
+def test_a_growing_cache_under_compile_says_so_first(model) -> None:
+    """The refusal's advice is the exception's first line, not dynamo's wrapper around it."""
+    torch._dynamo.reset()
+    compiled = copy.copy(model)
+    compiled.forward = torch.compile(model.forward, backend="mla_eager")
+    cache = MLACache(model.config, max_length=64, static=False)
+    with pytest.raises(RuntimeError) as caught:
+        generate(compiled, cache, max_new_tokens=2, do_sample=False)
+    assert str(caught.value).startswith("MLACache(static=False) grows its pages"), caught.value
+    torch._dynamo.reset()
+
+
+def test_partial_allocation_arguments_are_refused() -> None:
+    config = DeepseekV3Config(q_lora_rank=48, **TINY)
+    with pytest.raises(ValueError, match=r"batch_size, dtype and device .* come together"):
+        MLACache(config, max_length=16, batch_size=2)
+
+
 def test_expanded_states() -> None:
     """Per-head K/V (remote-code attention, transformers < 5.15): a growing cache keeps them as
     they are, with a warning; a static one needs the rewrite and says so."""
@@ -123,10 +174,13 @@ def test_latent_rows_of_the_wrong_width_are_an_error() -> None:
     assert cache.layers[0].mode == "latent" and cache.get_seq_length() == 2
 
 
-def test_capacity_exceeded_under_a_compile_backend_is_an_error(model) -> None:
+def test_capacity_exceeded_under_a_compile_backend_is_an_error() -> None:
     """Compiled by a backend other than ``mla`` (no rewrite), a static cache's capacity is not
     checked on the host; the overlong sequence's pages are then read by ``mla::paged_rows``,
-    which refuses the length (on CUDA, without value checks: NaN rows), never drifting."""
+    which refuses the length (on CUDA, without value checks: NaN rows), never drifting. One
+    family: the check is the cache's, not the model's."""
+    torch.manual_seed(0)
+    model = FAMILIES["deepseek_v3"]().double().eval()
     cache = MLACache(model.config, max_length=8, page_size=4, static=True)  # capacity: 8 rows
     torch._dynamo.reset()
     compiled = copy.copy(model)

@@ -87,7 +87,7 @@ def test_config_can_turn_tma_off(kernels, monkeypatch, caplog) -> None:
         31, device=DEVICE, page_size=64, dims=(32, 16), lengths=[200, 70], s_q=1, num_splits=2
     )
     config = tiling.TritonTiling(16, 64, 4, 2, use_tma=False)
-    with caplog.at_level(logging.DEBUG, logger="mla_ops"):
+    with caplog.at_level(logging.DEBUG, logger="mla_compile.mla_ops"):
         out_p, lse_p = runtime.decode(
             *case.op_args(), options=planner.DecodeOptions(triton_tiling=config)
         )
@@ -405,7 +405,7 @@ def test_fp8_conversion_path_is_logged(kernels, caplog) -> None:
         660, dtype=dtype, device=DEVICE, page_size=64, dims=(32, 16),
         cache_dtype=torch.float8_e4m3fn, lengths=[70],
     )  # fmt: skip
-    with caplog.at_level(logging.DEBUG, logger="mla_ops"):
+    with caplog.at_level(logging.DEBUG, logger="mla_compile.mla_ops"):
         runtime.decode(*case.op_args())
     ptx = device_facts.has_e4m3_convert(case.q.device)
     how = "inline PTX" if ptx else "Triton's cast"
