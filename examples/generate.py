@@ -27,6 +27,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from mla_compile import fx_passes  # noqa: F401  (backend="mla" also without pip install)
 from mla_compile.mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs, output_cache
 
 WAYS = ("original", "hf-static", "mla")

@@ -50,3 +50,17 @@ def mla_eager(
         raise ValueError("backend 'mla_eager' takes no mode or options (use backend='mla')")
     absorb_mla(gm)
     return gm.forward
+
+
+def _register_without_entry_point() -> None:
+    """A source checkout used through ``PYTHONPATH`` has no entry point; importing this module
+    registers the backends by name then (an installed package's entry point already did)."""
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    known = list_backends(exclude_tags=())
+    for name, compiler in (("mla", mla), ("mla_eager", mla_eager)):
+        if name not in known:
+            register_backend(compiler, name=name)
+
+
+_register_without_entry_point()

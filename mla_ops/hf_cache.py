@@ -516,9 +516,9 @@ class MLACache(Cache):
         if all(given):
             # Allocated now rather than inside the first compiled prefill: that prefill and
             # every later one then see the same storage and share one graph.
-            self.store.get(batch_size, dtype, torch.device(device))
+            storage = self.store.get(batch_size, dtype, torch.device(device))
             for layer in self.layers:
-                layer.dtype, layer.device = dtype, torch.device(device)
+                layer.dtype, layer.device = dtype, storage.device
                 layer.is_initialized = True
 
     @property

@@ -80,7 +80,10 @@ class PagedLatentCache:
         self.kv_len, self.rope_len, self.page_size = kv_len, rope_len, page_size
         self.batch_size, self.max_length = batch_size, max_length
         self.static = static
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype = dtype
+        # The device with its index ("cuda" is the current device, "cuda:0" here): tensors report
+        # theirs with one, and the checks compare devices.
+        self.device = torch.empty(0, device=device).device
         self.pages_per_seq = math.ceil(max_length / page_size)
         needed = batch_size * self.pages_per_seq
         num_pages = needed if num_pages is None else num_pages

@@ -140,6 +140,18 @@ def test_a_growing_cache_under_compile_says_so_first(model) -> None:
     torch._dynamo.reset()
 
 
+def test_up_front_allocation_on_a_device_named_with_an_index() -> None:
+    """``device="cuda"`` and ``"cuda:0"`` (here ``"cpu:0"`` and ``"cpu"``) name one device: the
+    storage keeps the one tensors report, and rows from it are accepted."""
+    config = DeepseekV3Config(q_lora_rank=48, **TINY)
+    cache = MLACache(
+        config, max_length=16, static=True, batch_size=1, dtype=torch.float32, device="cpu:0"
+    )
+    width, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    cache.update(torch.randn(1, 1, 2, width), torch.randn(1, 1, 2, rope), 0)
+    assert int(cache.get_seq_length()) == 2
+
+
 def test_partial_allocation_arguments_are_refused() -> None:
     config = DeepseekV3Config(q_lora_rank=48, **TINY)
     with pytest.raises(ValueError, match=r"batch_size, dtype and device .* come together"):
