@@ -449,6 +449,29 @@ def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
     assert_matches(out, lse, ref_out, ref_lse, torch.float32, case.describe())
 
 
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_a_non_finite_key_stays_with_the_rows_that_see_it(kernels, bad: float, mask) -> None:
+    """S_q = 2, causal: each sequence's last key is seen by its second query only. A non-finite
+    value there leaves the first query's output and LSE what they are with a finite value (the
+    rows of both positions share a program: 3 heads x 2 positions), and makes the second's
+    non-finite."""
+    case = make_case(
+        77, dtype=torch.float32, device=DEVICE, page_size=16, dims=(32, 16), lengths=[40, 17],
+        s_q=2, heads=3, num_splits=2, causal=True, mask=mask,
+    )  # fmt: skip
+    for b, length in enumerate(case.cache_seqlens.tolist()):
+        if case.attn_mask is not None:  # the second query sees the last key, whatever the holes
+            case.attn_mask[b, 1, length - 1] = True
+    clean_out, clean_lse = run_kernels(kernels, case)
+    for b, length in enumerate(case.cache_seqlens.tolist()):
+        page = case.block_table[b, (length - 1) // 16]
+        case.kv_c[page, (length - 1) % 16, 5] = bad
+    out, lse = run_kernels(kernels, case)
+    assert torch.equal(out[:, 0], clean_out[:, 0]) and torch.equal(lse[:, 0], clean_lse[:, 0])
+    assert not torch.isfinite(out[:, 1]).all(dim=-1).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fill_empty_off_leaves_empty_splits_unwritten(kernels, dtype: torch.dtype) -> None:
     """``fill_empty=False`` (what ``mla_decode`` passes): an empty split keeps whatever its ``out``
