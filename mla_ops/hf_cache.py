@@ -94,6 +94,19 @@ def _refuse(error: Exception) -> NoReturn:
     raise error
 
 
+_GROWING_UNDER_COMPILE = (
+    "MLACache(static=False) grows its pages and lengths on the host, which torch.compile would "
+    "guard on at every step: use MLACache(..., static=True) with torch.compile"
+)
+
+
+@torch.compiler.disable(reason=_GROWING_UNDER_COMPILE)
+def _refuse_growing_under_compile() -> NoReturn:
+    """``_refuse`` of this one refusal, its advice also the reason a ``fullgraph=True`` compile
+    shows (there dynamo reports the call to a disabled function, with its reason, first)."""
+    raise RuntimeError(_GROWING_UNDER_COMPILE)
+
+
 class _SharedStore:
     """The one ``PagedLatentCache`` behind all layers, created at the first update."""
 
@@ -232,13 +245,7 @@ class MLACacheLayer(CacheLayerMixin):
 
     def _check_compile_mode(self) -> None:
         if not self.store.static and torch.compiler.is_compiling():
-            _refuse(
-                RuntimeError(
-                    "MLACache(static=False) grows its pages and lengths on the host, which "
-                    "torch.compile would guard on at every step: use MLACache(..., static=True) "
-                    "with torch.compile"
-                )
-            )
+            _refuse_growing_under_compile()
 
     def _update_traced_expanded(
         self, key_states: torch.Tensor, value_states: torch.Tensor

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from mla_compile.mla_ops.hf_cache import MLACache, cache_kwargs
+from mla_compile.mla_ops.hf_cache import LATENT_ATTENTION, MLACache, cache_kwargs
 from tests.fx_passes.tiny_models import (
     _config,
     attention_layers,
@@ -51,6 +51,11 @@ def test_the_default_build_runs_grouped_experts(family: str) -> None:
 def test_default_build_float64_generate_equals_the_truth(family: str, cache: str) -> None:
     """Greedy tokens of the rewritten default build equal the float64 truth's, with the model's
     own cache and with ``MLACache``; the first step's logits within 1e-10."""
+    if cache == "default" and not LATENT_ATTENTION:
+        pytest.skip(
+            f"transformers {transformers.__version__} caches expanded K/V in its default cache, "
+            "which the rewrite leaves as it is (test_legacy_cache.py)"
+        )
     model = default_build(family)
     exact = truth_model(model)
     ids, mask = left_padded_batch((5, 11), seed=2)
