@@ -234,7 +234,7 @@ def skip_unless_latent_attention(family: str) -> None:
 
 # LongCat-Flash's MoE loops over the experts hit (data-dependent, its own code ignores
 # experts_implementation): the original model does not compile with fullgraph=True.
-FULLGRAPH = {family: family != "longcat_flash" for family in FAMILIES}
+FULLGRAPH = {family: family != "longcat_flash" for family in CONFIG_CLASSES}
 
 
 def tiny_model(
