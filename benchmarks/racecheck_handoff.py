@@ -26,12 +26,12 @@ _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 ROUNDS = 8
 WIDTH = 128
-LAYOUT = gl.BlockedLayout([1], [32], [4], [0])
 
 
 @gluon.jit
 def _writer(buf, ready, free, ROUNDS: gl.constexpr, WIDTH: gl.constexpr):
-    offs = gl.arange(0, WIDTH, layout=gl.BlockedLayout([1], [32], [4], [0]))
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    offs = gl.arange(0, WIDTH, layout=layout)
     for i in range(ROUNDS):
         mbarrier.wait(free, (i & 1) ^ 1)  # the reader is done with round i - 1
         buf.store((offs + i * WIDTH).to(gl.float32))

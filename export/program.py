@@ -147,10 +147,10 @@ def load_program(
     shown = os.fspath(path)
     with open(path, "rb") as file:
         archive = check_program_archive(file, shown, max_member_bytes)
-        targets = _mla_targets(archive, shown, max_member_bytes)
-        if _names_transformers_ops(archive):
+        targets = _op_targets(archive)
+        if any(op.startswith("transformers.") for op in targets):
             register_transformers_ops()
-        missing = [op for op in sorted(targets) if not _resolves(op)]
+        missing = [op for op in sorted(targets) if op.startswith("mla.") and not _resolves(op)]
         if missing:
             raise RuntimeError(
                 f"{shown} calls {', '.join(missing)}, which this process does not define "
@@ -184,28 +184,22 @@ def mla_ops_in_archive(
     shown = os.fspath(path)
     with open(path, "rb") as file:
         archive = check_program_archive(file, shown, max_member_bytes)
-        return _mla_targets(archive, shown, max_member_bytes)
+        return {op for op in _op_targets(archive) if op.startswith("mla.")}
 
 
-def _mla_targets(archive: zipfile.ZipFile, shown: str, max_member_bytes: int) -> set[str]:
+def _op_targets(archive: zipfile.ZipFile) -> set[str]:
+    """The ``mla.*`` and ``transformers.*`` op targets (``<namespace>.<op>.<overload>``) the
+    archive's graphs name, in one pass over its JSON members (sizes already bounded by
+    ``check_program_archive``)."""
     found: set[str] = set()
     for name in archive.namelist():
-        if name.endswith(".json"):  # sizes already bounded by check_program_archive
+        if name.endswith(".json"):
             text = archive.read(name).decode("utf-8", errors="replace")
-            found.update(match.group(1) for match in _MLA_TARGET.finditer(text))
+            found.update(match.group(1) for match in _OP_TARGET.finditer(text))
     return found
 
 
-_MLA_TARGET = re.compile(r"torch\.ops\.(mla\.\w+\.\w+)")
-_TRANSFORMERS_TARGET = re.compile(r"torch\.ops\.transformers\.\w+")
-
-
-def _names_transformers_ops(archive: zipfile.ZipFile) -> bool:
-    return any(
-        _TRANSFORMERS_TARGET.search(archive.read(name).decode("utf-8", errors="replace"))
-        for name in archive.namelist()
-        if name.endswith(".json")
-    )
+_OP_TARGET = re.compile(r"torch\.ops\.((?:mla|transformers)\.\w+\.\w+)")
 
 
 def register_transformers_ops() -> None:
