@@ -27,10 +27,11 @@ TRANSFORMERS_MIXED ?= transformers==5.17.0
 # newest release runs them all (LongCat's, whose MoE breaks the graph, costs the most there).
 MIXED_FAMILIES ?= deepseek_v2,deepseek_v3,minicpm3,glm4_moe_lite,mistral4,kimi_linear,deepseek_v32
 
-# Test workers (pytest-xdist): one per CPU the system reports, at most 8 (each holds torch and transformers, ~1 GB).
+# Test workers (pytest-xdist): one per CPU the system reports, at most 8 (each holds torch and
+# transformers, ~1 GB); an idle worker takes queued tests from a busy one (worksteal).
 # `make test TEST_WORKERS=0` runs the suite in one process.
 TEST_WORKERS ?= auto
-XDIST := -n $(TEST_WORKERS) --maxprocesses=8
+XDIST := -n $(TEST_WORKERS) --maxprocesses=8 --dist worksteal
 
 .PHONY: demo test test-legacy test-mixed lint format install clean
 
@@ -51,13 +52,18 @@ $(VENV)/.installed: pyproject.toml Makefile $(VENV)/.created
 	$(PY) -m pip install --quiet -e ".[test,bench]"
 	touch $@
 
-# A venv pinned to one transformers release: $(1) its folder, $(2) the requirement.
+# A venv pinned to one transformers release: $(1) its folder, $(2) the requirement. It reuses the
+# suite's venv for everything else (a .pth line adds that venv's site-packages after its own, the
+# project's editable install included), so it costs only the pinned release and the few
+# dependencies that release pins differently; its own site-packages comes first on sys.path.
+PURELIB = -c "import sysconfig; print(sysconfig.get_path('purelib'))"
 define pinned_venv
-$(1)/.installed: pyproject.toml Makefile
+$(1)/.installed: pyproject.toml Makefile $(VENV)/.installed
+	rm -rf $(1)
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/python -m pip install --quiet --upgrade pip
-	$(1)/bin/python -m pip install --quiet $(PIP_TORCH)
-	$(1)/bin/python -m pip install --quiet -e ".[test]" "$(2)"
+	$(PY) -c "import sysconfig; print('import site; site.addsitedir(%r)' % sysconfig.get_path('purelib'))" \
+		> "$$$$($(1)/bin/python $(PURELIB))/suite_venv.pth"
+	$(1)/bin/python -m pip install --quiet "$(2)"
 	touch $$@
 endef
 $(eval $(call pinned_venv,$(LEGACY_VENV),$(TRANSFORMERS_LEGACY)))
