@@ -274,7 +274,6 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
-    saw_bad = tl.zeros([BLOCK_M], dtype=tl.int32)  # rows that see a non-finite key
 
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -365,19 +364,6 @@ def _mla_decode_kernel(
                 PTX_CONVERT,
             )
             n_bad += (tok_ok & ~ld).to(tl.int32)
-        if not ONE_POSITION and (CAUSAL or HAS_MASK):
-            # Rows of several query positions, which may see different keys: a non-finite value
-            # in a key that some see and others do not must reach only those that see it. Its
-            # score is non-finite in every row (the queries are finite), so such keys show in
-            # the scores; their value rows are zeroed before P @ V (0 x inf would be NaN in the
-            # rows that do not see them), and the rows that see them get NaN from their scores.
-            # A row that sees one is NaN at the end (its score may be -inf, which alone would
-            # only hide the key).
-            bad_key = tl.max(((qk != qk) | (tl.abs(qk) == float("inf"))).to(tl.int32), 0)
-            if tl.max(bad_key, 0) > 0:
-                kv = tl.where(bad_key[:, None] > 0, 0.0, kv).to(kv.dtype)
-                sees_bad = visible & ld[None, :] & (bad_key[None, :] > 0)
-                saw_bad += tl.max(sees_bad.to(tl.int32), 1)
         qk = qk * scale_log2
         visible = visible & ld[None, :]
         if HAS_MASK and not MASK_IS_BOOL:
@@ -407,9 +393,6 @@ def _mla_decode_kernel(
     poisoned = tl.sum(n_bad, 0) > 0
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
-    if not ONE_POSITION and (CAUSAL or HAS_MASK):
-        out = tl.where(saw_bad[:, None] > 0, float("nan"), out)
-        lse = tl.where(saw_bad > 0, float("nan"), lse)
 
     _store_partial(
         O_PART, LSE_PART, out, lse, b64, s_idx, h_idx, split, offs_l, row_ok, l_ok, stride_ob,

@@ -7,6 +7,7 @@ interpreter gets float32/float16 only: its bf16 tl.dot is unsupported (triton is
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 
 import pytest
@@ -453,11 +454,14 @@ def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("mask", [None, "bool"])
-def test_a_non_finite_key_stays_with_the_rows_that_see_it(kernels, bad: float, mask) -> None:
-    """S_q = 2, causal: each sequence's last key is seen by its second query only. A non-finite
-    value there leaves the first query's output and LSE what they are with a finite value (the
-    rows of both positions share a program: 3 heads x 2 positions), and makes the second's
-    non-finite."""
+def test_a_non_finite_key_is_never_silently_finite(kernels, bad: float, mask) -> None:
+    """S_q = 2, causal: each sequence's last key is seen by its second query only, and the rows
+    of both positions share a program (3 heads x 2 positions). NaN there makes every row that
+    sees it non-finite (inf may score -inf in a row, which then leaves the key out). Each value
+    of the first position (output and LSE) comes out either what it is with a finite key or
+    NaN, never another finite number: the kernel does not isolate such a key from the other
+    rows of its program, where ``0 x inf`` reaches the key's non-finite columns (docs/ops.md
+    gives the cost measured)."""
     case = make_case(
         77, dtype=torch.float32, device=DEVICE, page_size=16, dims=(32, 16), lengths=[40, 17],
         s_q=2, heads=3, num_splits=2, causal=True, mask=mask,
@@ -470,8 +474,10 @@ def test_a_non_finite_key_stays_with_the_rows_that_see_it(kernels, bad: float, m
         page = case.block_table[b, (length - 1) // 16]
         case.kv_c[page, (length - 1) % 16, 5] = bad
     out, lse = run_kernels(kernels, case)
-    assert torch.equal(out[:, 0], clean_out[:, 0]) and torch.equal(lse[:, 0], clean_lse[:, 0])
-    assert not torch.isfinite(out[:, 1]).all(dim=-1).any()
+    assert ((out[:, 0] == clean_out[:, 0]) | torch.isnan(out[:, 0])).all()
+    assert ((lse[:, 0] == clean_lse[:, 0]) | torch.isnan(lse[:, 0])).all()
+    if math.isnan(bad):
+        assert not torch.isfinite(out[:, 1]).all(dim=-1).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
