@@ -6,6 +6,10 @@ entry point (see pyproject.toml), so ``torch.compile(model, backend="mla")`` wor
   ``options=`` given to ``torch.compile`` (``"reduce-overhead"`` = CUDA graphs, as with Inductor).
 * ``mla_eager``: ``absorb_mla`` only; the rewritten graph runs op by op (debugging, CPU tests,
   quick checks of what the rewrite did without Inductor's compile time).
+
+With CUDA graphs on, ``mla`` refuses a graph that allocates an ``MLACache``'s storage (its first
+update traced inside the compiled call): the storage would be an output of a CUDA graph, which
+the graph's next replay overwrites while the cache still holds it.
 """
 
 from __future__ import annotations
@@ -13,9 +17,44 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from torch.fx import GraphModule
+import torch
+from torch.fx import GraphModule, Node
 
 from .absorb import absorb_mla
+
+_ALLOCATED_IN_GRAPH = (
+    "backend='mla' with CUDA graphs: this graph allocates the MLACache(static=True) storage (its "
+    "first update ran inside the compiled call), and a CUDA graph's next replay overwrites what "
+    "it allocated while the cache still holds it. Allocate the storage up front, before the "
+    "first call: MLACache(config, max_length=..., static=True, batch_size=B, dtype=model.dtype, "
+    "device=model.device)"
+)
+
+
+def cache_allocated_in_graph(gm: GraphModule) -> bool:
+    """Whether a latent-cache write (``mla::paged_append``) in ``gm`` stores into a tensor the
+    graph itself created, rather than into one of its inputs (a cache allocated before the
+    call)."""
+    appends = (torch.ops.mla.paged_append, torch.ops.mla.paged_append.default)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in appends:
+            continue
+        root = node.args[0]  # the pool, or a view of it
+        while isinstance(root, Node) and root.op == "call_function" and root.args:
+            if not isinstance(root.args[0], Node):
+                break
+            root = root.args[0]
+        if not (isinstance(root, Node) and root.op in ("placeholder", "get_attr")):
+            return True
+    return False
+
+
+def _cuda_graphs(config: dict[str, Any], example_inputs: Sequence[Any]) -> bool:
+    from torch._inductor import config as inductor_config
+
+    on = config.get("triton.cudagraphs", inductor_config.triton.cudagraphs)
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return bool(on) and on_cuda
 
 
 def mla(
@@ -35,6 +74,8 @@ def mla(
         config.update(list_mode_options(mode))
     if options:
         config.update(options)
+    if _cuda_graphs(config, example_inputs) and cache_allocated_in_graph(gm):
+        raise RuntimeError(_ALLOCATED_IN_GRAPH)
     return compile_fx(gm, list(example_inputs), config_patches=config)
 
 

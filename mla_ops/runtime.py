@@ -282,29 +282,16 @@ class _CombineLaunch:
                               constexprs)  # fmt: skip
 
 
-# Arrival counters of the merging wgmma kernel, per (device index, stream): every launch leaves
-# them zero (the last arrival of a row block resets its count), so one zeroing at allocation
-# serves every later launch on that stream.
-_ARRIVALS: dict[tuple[int, int], torch.Tensor] = {}
-
-
 def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
-    """``[count]`` int32 zeros for a merging launch (``hopper.prepare``'s ``merge_into``).
+    """``[count]`` int32 zeros for a merging launch (``hopper.prepare``'s ``merge_into``): a fresh
+    buffer each call (in a CUDA graph, a memset node at every replay).
 
-    Outside CUDA-graph capture: a buffer kept per (device, stream) and grown as needed, since each
-    launch leaves it zero; launches on one stream run in order and other streams get their own.
-    During capture: a fresh buffer zeroed by the graph itself (a memset node at every replay), so
-    graphs replayed on other streams never share counters.
+    Not a buffer kept between calls: the first call may run where allocations come from a CUDA
+    graph's private pool (Inductor's CUDA-graph trees warm a graph up in its pool before
+    recording it), and a kept tensor from that pool is a live allocation the trees do not track
+    ("Detected 1 tensor(s) in the cudagraph pool not tracked as outputs").
     """
-    if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(count, dtype=torch.int32, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch.cuda.current_stream(index).cuda_stream)
-    counters = _ARRIVALS.get(key)
-    if counters is None or counters.numel() < count:
-        counters = torch.zeros(max(count, 1024), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = counters
-    return counters
+    return torch.zeros(count, dtype=torch.int32, device=device)
 
 
 def _tensor_signature(t: torch.Tensor | None) -> tuple | None:

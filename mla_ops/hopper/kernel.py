@@ -600,7 +600,7 @@ def _mla_decode_wgmma_kernel(
         # Every thread's partial stores precede (bar.sync) one thread's release-acquire
         # arrival at gpu scope; the last of the row block's n_real arrivals sees them all
         # (the scalar atomic's result reaches every thread through shared memory and a
-        # barrier) and puts the count back to 0 for the next launch.
+        # barrier) and puts the count back to 0.
         _thread_barrier()
         pid_bm = b * num_row_blocks + row_block
         arrived = gl.atomic_add(ARRIVALS + pid_bm, 1, sem="acq_rel", scope="gpu")

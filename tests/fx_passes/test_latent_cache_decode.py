@@ -259,3 +259,30 @@ def test_layers_of_different_latent_widths_are_refused_by_name() -> None:
         NotImplementedError, match=r"one latent width.*\(24, 16\), \(32, 16\).*default cache"
     ):
         hf_cache.MLACache(HeterogeneousConfig(), max_length=16)
+
+
+@pytest.mark.parametrize("up_front", [False, True])
+def test_cuda_graph_guard_sees_where_the_storage_was_allocated(up_front: bool) -> None:
+    """``backend="mla"`` with CUDA graphs refuses a graph that allocates the cache's storage (a
+    CUDA graph's next replay would overwrite it while the cache holds it): the check finds the
+    allocation in a prompt pass traced with a fresh cache, and none where the storage exists
+    before the call. (The refusal itself needs CUDA graphs, so a GPU, where it is exercised.)"""
+    from mla_compile.fx_passes.backend import cache_allocated_in_graph
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tiny_model("deepseek_v3")
+    ids, mask = left_padded_batch((5, 11), seed=4)
+    sizes = dict(batch_size=2, dtype=torch.float64, device="cpu") if up_front else {}
+    cache = hf_cache.MLACache(model.config, max_length=64, page_size=4, static=True, **sizes)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=capture, fullgraph=True)
+    kw = dict(attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    model.generate(ids, **kw, **hf_cache.cache_kwargs(model, cache))
+    assert len(graphs) == 2  # the prompt pass, one decode step
+    assert cache_allocated_in_graph(graphs[0]) is not up_front
+    assert not cache_allocated_in_graph(graphs[1])
