@@ -5,7 +5,9 @@ dynamic batch and cache length:
 
 * ``export_decode_step(model)`` / ``export_prefill_step(model)`` -> ``ExportedProgram``;
   ``save_program`` / ``load_program`` (``load_program`` registers the ops first).
-* ``aoti.compile_package(program, "step.pt2")`` / ``aoti.load_package(path)``.
+* ``aoti.compile_package(program, "step.pt2")`` / ``aoti.load_package(path)``;
+  ``python_free=True``: the ops compiled into the package (``decompositions``), which then runs
+  from C++ with no Python (``examples/cpp``).
 * ``onnx.export_onnx(program, "step.onnx", translation="standard" | "custom")``.
 
 A process that runs a program with ``mla`` nodes needs ``import mla_compile.mla_ops`` (the ops
@@ -16,7 +18,7 @@ from mla_compile._legacy import hand_over
 
 hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.export
 
-from . import aoti, archive, onnx
+from . import aoti, archive, decompositions, onnx
 from .archive import UnsafeArchiveError
 from .program import (
     export_decode_step,
@@ -35,6 +37,7 @@ __all__ = [
     "aoti",
     "archive",
     "decode_inputs",
+    "decompositions",
     "export_decode_step",
     "export_prefill_step",
     "load_program",

@@ -32,6 +32,8 @@ import torch
 from mla_compile.mla_ops.planner import MIN_CHUNK, SPLIT_GRANULE
 from mla_compile.mla_ops.reference import MASK_HIDDEN, mask_hidden_threshold
 
+from .decompositions import experts_decompositions
+
 CUSTOM_DOMAIN = "com.mla"
 CUSTOM_DOMAIN_VERSION = 1
 OPSET = 18
@@ -431,53 +433,6 @@ def step_io_names(
     return head + [f"past.{n}" for n in names[:past]], ["logits"] + [f"present.{n}" for n in names]
 
 
-# --- Mixture-of-Experts products ---------------------------------------------------------------
-
-
-def grouped_rows_mm(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    offs: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """A grouped product as one batched product: row ``s`` of ``input [S, K]`` times
-    ``weight[e] [K, N]``, ``e`` the group whose range ``[offs[e - 1], offs[e])`` holds ``s``;
-    rows past ``offs[-1]`` give zeros. Returns ``[S, N]``.
-
-    What transformers' experts (``experts_implementation="grouped_mm"``, its default) emit:
-    ``aten._grouped_mm`` for bfloat16 and ``transformers::grouped_mm_fallback`` otherwise, neither
-    of which the ONNX exporter translates. This form uses only comparisons, a gather and a
-    batched matmul; it holds one ``[K, N]`` weight per row (``S * K * N`` elements), which is
-    what a decode step (``S`` = batch x experts per token) can afford.
-    """
-    if input.dim() != 2 or weight.dim() != 3 or offs is None:
-        raise NotImplementedError(
-            "grouped_rows_mm translates the experts' form only: input [S, K], weight [E, K, N] "
-            f"and offs [E]; got input {tuple(input.shape)}, weight {tuple(weight.shape)}, "
-            f"offs {None if offs is None else tuple(offs.shape)}"
-        )
-    rows = torch.arange(input.shape[0], device=input.device, dtype=offs.dtype)
-    group = (offs.unsqueeze(0) <= rows.unsqueeze(1)).sum(dim=1)  # [S]: E past offs[-1]
-    inside = group < weight.shape[0]
-    group = group.clamp(max=weight.shape[0] - 1)
-    out = torch.matmul(input.to(weight.dtype).unsqueeze(1), weight[group]).squeeze(1)  # [S, N]
-    if bias is not None:
-        out = out + bias[group]
-    out = torch.where(inside.unsqueeze(1), out, torch.zeros((), dtype=out.dtype))
-    return out if out_dtype is None else out.to(out_dtype)
-
-
-def _experts_decompositions() -> dict:
-    """The decomposition table that turns the experts' grouped products into ``grouped_rows_mm``
-    (transformers' op only where transformers registered it)."""
-    table = {torch.ops.aten._grouped_mm.default: grouped_rows_mm}
-    fallback = getattr(torch.ops.transformers, "grouped_mm_fallback", None)
-    if fallback is not None:
-        table[fallback.default] = grouped_rows_mm
-    return table
-
-
 # --- complex-valued nodes ----------------------------------------------------------------------
 
 
@@ -490,7 +445,7 @@ def _complex_as_real(program: torch.export.ExportedProgram) -> torch.export.Expo
     (the same values, viewed). Other graphs come back unchanged.
     """
     # A new program (weights shared, not copied), the experts' grouped products decomposed.
-    program = program.run_decompositions(_experts_decompositions())
+    program = program.run_decompositions(experts_decompositions(aten_grouped_mm=True))
     graph = program.graph_module.graph
     aten = torch.ops.aten
     changed = False

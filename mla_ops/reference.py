@@ -57,17 +57,15 @@ def mask_over_capacity(
     Keys at ``T_m`` and past, and float values at or below ``mask_hidden_threshold``, are hidden;
     a bool mask has a zero bias.
     """
-    batch, s_q, mask_len = attn_mask.shape
-    keep = min(mask_len, capacity)
-    visible = torch.zeros(batch, s_q, capacity, dtype=torch.bool, device=attn_mask.device)
-    bias = torch.zeros(batch, s_q, capacity, dtype=acc, device=attn_mask.device)
+    keep = min(attn_mask.shape[-1], capacity)
+    past = (0, capacity - keep)  # keys past the mask: hidden, no bias (padded on the last dim)
     if attn_mask.dtype == torch.bool:
-        visible[..., :keep] = attn_mask[..., :keep]
-    else:
-        values = attn_mask[..., :keep].to(acc)
-        hidden_at = mask_hidden_threshold(attn_mask.dtype)
-        visible[..., :keep] = values > hidden_at
-        bias[..., :keep] = torch.where(values > hidden_at, values, 0.0)
+        visible = torch.nn.functional.pad(attn_mask[..., :keep], past, value=False)
+        return visible, torch.zeros(visible.shape, dtype=acc, device=attn_mask.device)
+    values = attn_mask[..., :keep].to(acc)
+    shown = values > mask_hidden_threshold(attn_mask.dtype)
+    visible = torch.nn.functional.pad(shown, past, value=False)
+    bias = torch.nn.functional.pad(torch.where(shown, values, 0.0), past, value=0.0)
     return visible, bias
 
 
@@ -98,12 +96,11 @@ def decode(
         rows = gather_rows(part, cache_seqlens, block_table).to(acc)
         return rows * kv_scale if part.dtype == torch.float8_e4m3fn else rows
 
-    out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
-    lse = q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)
     rows = torch.cat([dequantised(kv_c), dequantised(k_pe)], dim=-1)  # [B, T, L+R]
     capacity = rows.shape[1]
     if capacity == 0:  # a zero-length cache or block table: every sequence is empty
-        return out, lse
+        out = q.new_zeros((batch, s_q, heads, num_splits, kv_len), dtype=acc)
+        return out, q.new_full((batch, s_q, heads, num_splits), float("-inf"), dtype=acc)
     seqlen = cache_seqlens.long()
     token = torch.arange(capacity, device=q.device)
     # Rows past a sequence's end are stale memory (maybe NaN): 0 * NaN would leak into P @ V.
@@ -126,6 +123,7 @@ def decode(
     values = values.expand(batch, s_q, capacity, kv_len)
     start, end = split_bounds(seqlen, num_splits, total_splits)  # [B, num_splits]
 
+    outs, lses = [], []
     for split in range(num_splits):
         in_split = (token[None, :] >= start[:, split : split + 1]) & (
             token[None, :] < end[:, split : split + 1]
@@ -138,8 +136,12 @@ def decode(
         probs = torch.exp(masked - torch.where(torch.isneginf(row_max), 0.0, row_max))
         total = probs.sum(dim=-1)  # [B, S_q, H]
         probs = probs / torch.where(total == 0, 1.0, total)[..., None]
-        out[:, :, :, split] = torch.einsum("bsht,bstl->bshl", probs, values)
-        lse[:, :, :, split] = row_max.squeeze(-1) + torch.log(total)
+        outs.append(torch.einsum("bsht,bstl->bshl", probs, values))
+        lses.append(row_max.squeeze(-1) + torch.log(total))
+    # Functional (no in-place writes): the same code is the ops' decomposition in exported
+    # programs (export.aoti's Python-free packages).
+    out = torch.stack(outs, dim=3)  # [B, S_q, H, num_splits, L]
+    lse = torch.stack(lses, dim=3)  # [B, S_q, H, num_splits]
     return out, lse
 
 
