@@ -202,8 +202,10 @@ def check_decode_values(
     kv_c: torch.Tensor,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
+    causal: bool = True,
 ) -> None:
-    """Value checks of ``mla::decode``: lengths against S_q and capacity, page ids in range."""
+    """Value checks of ``mla::decode``: lengths against capacity (and S_q when causal: the
+    lengths count the new tokens), page ids in range."""
     s_q = q.shape[1]
     lengths = cache_seqlens.long().cpu()
     if block_table is None:
@@ -218,7 +220,7 @@ def check_decode_values(
     if bool((lengths > capacity).any()):
         _fail(f"cache_seqlens {lengths.tolist()} exceed {where} tokens")
     short = (lengths > 0) & (lengths < s_q)
-    if bool(short.any()):
+    if causal and bool(short.any()):
         _fail(
             f"cache_seqlens counts the S_q={s_q} new tokens, so each non-empty sequence needs "
             f">= {s_q} tokens; got {lengths.tolist()}"
@@ -254,9 +256,9 @@ def _check_decode(*args) -> None:
     """Every check of a real (non-fake) decode call (the op's arguments): metadata always, values
     where allowed."""
     check_decode_args(*args)
-    q, kv_c, _, cache_seqlens, block_table = args[:5]
+    q, kv_c, _, cache_seqlens, block_table, _, causal = args[:7]
     if _values_checked_on(q.device):
-        check_decode_values(q, kv_c, cache_seqlens, block_table)
+        check_decode_values(q, kv_c, cache_seqlens, block_table, causal)
 
 
 # --- mla::decode -----------------------------------------------------------------------------
