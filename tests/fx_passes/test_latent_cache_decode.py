@@ -271,7 +271,8 @@ def test_cuda_graph_guard_sees_where_the_storage_was_allocated(up_front: bool) -
 
     graphs = []
 
-    def capture(gm, example_inputs):
+    def capture(gm, example_inputs):  # what backend="mla" checks: the rewritten graph
+        fx_passes.absorb_mla(gm)
         graphs.append(gm)
         return gm.forward
 
