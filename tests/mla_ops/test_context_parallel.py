@@ -1,7 +1,8 @@
 """Decode context parallelism (``mla_ops.context_parallel``): a cache sharded by token over 2 and
 4 gloo processes gives, on every rank, single-process ``mla_decode``'s output and LSE (float64,
 1e-10), for S_q 1 and 3 (causal), lengths 0, below the group size and ragged, dense and paged
-slices, token interleaves 1 and 2; and does under ``torch.compile(fullgraph=True)``."""
+slices, token interleaves 1 and 2 (every combination on 2 ranks, one on 4); and does under
+``torch.compile(fullgraph=True)`` (2 ranks)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def problem(s_q: int):
 def _worker(rank: int, world: int, init: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
-        for s_q, interleave, paged in itertools.product((1, 3), (1, 2), (False, True)):
+        # Every combination on 2 ranks; on 4, S_q 3 with interleave 2 over pages.
+        combinations = itertools.product((1, 3), (1, 2), (False, True))
+        for s_q, interleave, paged in combinations if world == 2 else [(3, 2, True)]:
             q, rows, lengths = problem(s_q)
             want = mla_decode(q, rows, lengths, head_dim_v=L, softmax_scale=0.3, causal=True)
             local = cp.shard_rows(rows, lengths, rank, world, interleave)  # [B, T_local, D]
@@ -65,6 +68,8 @@ def _worker(rank: int, world: int, init: str) -> None:
             )  # fmt: skip
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+        if world != 2:
+            return
         # One graph under torch.compile (the gather is a functional collective).
         torch._dynamo.reset()
         q, rows, lengths = problem(3)
