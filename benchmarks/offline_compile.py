@@ -42,9 +42,10 @@ def compile_decode(
     cfg: tiling.TritonTiling, heads: int, s_q: int, page_size: int, dtype: str, kv_len: int = 512,
     rope_len: int = 64, kv_dtype: str | None = None, kv_f16: bool = False,
     ptx_convert: bool = False, tma: bool = False, mask: str | None = None,
-    balanced: bool = False, one_position: bool = True,
+    balanced: bool = False, one_position: bool = True, repair: bool = False,
 ):  # fmt: skip
-    """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90."""
+    """The compiled kernel (``triton.compile`` result) for one configuration, target sm_90
+    (``repair``: the repair pass's variant)."""
     kernel = tk._mla_decode_kernel
     params = list(inspect.signature(kernel.fn).parameters)
     element = {
@@ -62,7 +63,7 @@ def compile_decode(
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None, LAUNCH_DEPENDENTS=True,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128, FILL_EMPTY=False,
-        ONE_POSITION=one_position,
+        ONE_POSITION=one_position, REPAIR=repair,
     )  # fmt: skip
     if not tma:
         const.update(KV_DESC=None, PE_DESC=None)

@@ -63,6 +63,9 @@ class DecodeOptions:
         main loop, producer partition, float8 products and chunk order.
     combine_tiling: the combine kernel's ``(BLOCK_S, BLOCK_L)``.
     lengths_per_step: sequence lengths one program sums per step for a balanced split.
+    repair_non_finite: run the repair pass where programs mix query positions
+        (``repair_needed``); ``False`` saves its read of the outputs, and a non-finite key seen
+        only by later positions then also turns earlier positions' rows of its program into NaN.
     """
 
     use_wgmma: bool | None = None
@@ -76,6 +79,7 @@ class DecodeOptions:
     longest_first: bool | None = None
     combine_tiling: tuple[int, int] | None = None
     lengths_per_step: int = LENGTHS_PER_STEP
+    repair_non_finite: bool = True
 
 
 DEFAULT_OPTIONS = DecodeOptions()
@@ -129,7 +133,8 @@ class DecodePlan:
     """Every decision of one call signature. ``kernel``: ``"wgmma"`` (the Hopper kernel),
     ``"triton"`` or ``"reference"`` (PyTorch: off CUDA, and float64). ``merge_in_kernel``: the
     Hopper kernel writes the output itself; else ``mla::combine`` runs with ``combine`` tiling
-    (``None`` for a bare ``mla::decode``). ``reasons``: ``(decision, why)`` pairs."""
+    (``None`` for a bare ``mla::decode``). ``reasons``: ``(decision, why)`` pairs. ``repair``:
+    the Triton kernel's repair pass after the decode (``repair_needed``), or ``None``."""
 
     kernel: str
     num_splits: int
@@ -141,6 +146,7 @@ class DecodePlan:
     wgmma: WgmmaPlan | None
     triton: TritonPlan | None
     reasons: tuple[tuple[str, str], ...] = field(default=())
+    repair: TritonPlan | None = None
 
     def why(self, decision: str) -> str:
         """The reason recorded for ``decision`` (``"kernel"``, ``"loads"``, ``"merge"``, ...)."""
@@ -168,6 +174,8 @@ class DecodePlan:
             )  # fmt: skip
         elif self.triton is not None:
             rec["decode_path"] = "tma" if self.triton.use_tma else "gather"
+        if self.why("repair"):
+            rec["repair"] = self.why("repair")
         return rec
 
     def describe(self) -> str:
@@ -187,6 +195,8 @@ class DecodePlan:
             lines.append(f"  triton: {t.tiling}, TMA {t.use_tma}, float8 in fp16 {t.kv_f16}")
         if self.combine is not None:
             lines.append(f"  combine tiling (BLOCK_S, BLOCK_L) = {self.combine}")
+        if self.repair is not None:
+            lines.append(f"  repair pass: {self.repair.tiling}, TMA {self.repair.use_tma}")
         lines += [f"  {decision}: {why}" for decision, why in self.reasons]
         return "\n".join(lines)
 
@@ -244,6 +254,29 @@ def _wgmma_plan(
         float8_products=float8_products, longest_first=longest_first,
         lengths_per_step=options.lengths_per_step,
     )  # fmt: skip
+
+
+def repair_needed(
+    s_q: int, heads: int, block_m: int, causal: bool, masked: bool
+) -> tuple[bool, str]:
+    """Whether a decode kernel of ``block_m``-row programs needs the repair pass, and why.
+
+    A program's rows are ``s * H + h`` flattened: with ``S_q > 1`` and heads not a multiple of
+    ``block_m``, one program holds several query positions, and under a causal or masked problem
+    they see different keys. ``P @ V`` runs over every key that any of its rows sees, so a
+    non-finite key seen only by later positions turns the earlier rows into NaN (``0 x inf``).
+    The repair pass finds such rows and computes them again with those keys isolated.
+    """
+    if s_q == 1 or heads % block_m == 0:
+        return False, f"not needed: each {block_m}-row program holds one query position"
+    if not (causal or masked):
+        return False, "not needed: every query position sees the same keys (no causal, no mask)"
+    why = "causal" if causal else "masked"
+    return True, (
+        f"{block_m}-row programs hold several of the {s_q} query positions of a {why} problem: "
+        "a pass after the decode recomputes any program whose rows came out non-finite, "
+        "isolating keys that only later positions see (one read of the outputs when finite)"
+    )
 
 
 def _triton_plan(
@@ -326,6 +359,17 @@ def plan_decode(
             q, kv_c, k_pe, block_table, tiling, options.lengths_per_step
         )
         reasons.append(("loads", why_loads))
+    producer_block_m = wgmma.block_m if wgmma is not None else triton.tiling.block_m
+    needed, why_repair = repair_needed(
+        q.shape[1], q.shape[2], producer_block_m, causal, attn_mask is not None
+    )
+    if needed and not options.repair_non_finite:
+        needed, why_repair = False, "turned off (DecodeOptions.repair_non_finite=False)"
+    reasons.append(("repair", why_repair))
+    repair = None
+    if needed:
+        repair = triton or _triton_plan(q, kv_c, k_pe, block_table, tiling,
+                                        options.lengths_per_step)[0]  # fmt: skip
     merge_in_kernel, combine = False, None
     if merge:
         merge_in_kernel, why_merge = merge_path(loads, num_splits, options.merge_max_splits)
@@ -341,7 +385,7 @@ def plan_decode(
     plan = DecodePlan(
         kernel="wgmma" if loads else "triton", num_splits=num_splits, total_splits=total_splits,
         causal=causal, fill_empty=fill_empty, merge_in_kernel=merge_in_kernel, combine=combine,
-        wgmma=wgmma, triton=triton, reasons=tuple(reasons),
+        wgmma=wgmma, triton=triton, reasons=tuple(reasons), repair=repair,
     )  # fmt: skip
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s", plan.describe())

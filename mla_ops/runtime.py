@@ -18,14 +18,22 @@ import triton.language as tl
 from . import device
 from .launcher import Data, PreparedLaunch
 from .plan_cache import PlanCache
-from .planner import DEFAULT_OPTIONS, DecodeOptions, DecodePlan, plan_combine, plan_decode
+from .planner import (
+    DEFAULT_OPTIONS,
+    DecodeOptions,
+    DecodePlan,
+    TritonPlan,
+    plan_combine,
+    plan_decode,
+)
 from .reference import MASK_HIDDEN, accumulation_dtype, mask_hidden_threshold
 from .splits import MIN_CHUNK, SPLIT_GRANULE
 from .tiling import next_pow2
 from .triton_kernels import _mla_combine_kernel, _mla_decode_kernel
 
-# The latest launch, for diagnostics: the plan's record, the compiled kernel ("decode",
-# "combine": registers, spills, PTX) and how the decode was launched ("decode_launch").
+# The latest launch, for diagnostics: the plan's record, the compiled kernels ("decode",
+# "combine", "repair_kernel": registers, spills, PTX) and how the decode was launched
+# ("decode_launch").
 LAST_LAUNCH: dict[str, object] = {}
 
 
@@ -71,6 +79,7 @@ class _DecodeLaunch:
     def __init__(self, plan: DecodePlan) -> None:
         self.plan = plan
         self.prepared: PreparedLaunch | None = None
+        self.repair: PreparedLaunch | None = None
 
     def launch(
         self,
@@ -106,104 +115,22 @@ class _DecodeLaunch:
             )  # fmt: skip
         else:
             if self.prepared is None:
-                self.prepared = self._prepare_triton(q, kv_c, k_pe, block_table, out, lse,
-                                                     attn_mask)  # fmt: skip
-            data = self._triton_data(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
-                                     softmax_scale, kv_scale, attn_mask)  # fmt: skip
+                self.prepared = _prepare_triton(
+                    plan.triton, plan.num_splits, plan.total_splits, plan.causal,
+                    plan.fill_empty, q, kv_c, k_pe, block_table, out, lse, attn_mask,
+                )  # fmt: skip
+            data = _triton_data(plan.triton, q, kv_c, k_pe, cache_seqlens, block_table, out,
+                                lse, softmax_scale, kv_scale, attn_mask)  # fmt: skip
         LAST_LAUNCH.update(plan.record)
         with _on_device(q.device):
             LAST_LAUNCH["decode"] = self.prepared.launch(data)
         LAST_LAUNCH["decode_launch"] = self.prepared.how
+        LAST_LAUNCH.pop("repair_kernel", None)
+        if plan.repair is not None:
+            self._launch_repair(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
+                                softmax_scale, kv_scale, attn_mask, merge_into)  # fmt: skip
 
-    def _prepare_triton(
-        self,
-        q: torch.Tensor,
-        kv_c: torch.Tensor,
-        k_pe: torch.Tensor,
-        block_table: torch.Tensor | None,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-    ) -> PreparedLaunch:
-        """The Triton kernel's launch for the plan's tiling."""
-        triton_plan = self.plan.triton
-        cfg = triton_plan.tiling
-        batch, s_q, heads, _ = q.shape
-        kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
-        rows = s_q * heads
-        block_l = next_pow2(kv_len)
-        block_r = next_pow2(max(rope_len, 1))
-        paged = block_table is not None
-        if paged:
-            num_pages, page_size, capacity = kv_c.shape[0], kv_c.shape[1], 0
-            max_pages = block_table.shape[1]
-            bt_strides = block_table.stride()
-        else:  # page_size is a compile-time constant: the cache length must not be one
-            num_pages, page_size, max_pages, capacity = batch, 1, 1, kv_c.shape[1]
-            bt_strides = (0, 0)  # never read
-        # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        use_tma, kv_f16 = triton_plan.use_tma, triton_plan.kv_f16
-        ptx_convert = triton_plan.ptx_convert
-        mask_strides, mask_len = (0, 0, 0), 0
-        if attn_mask is not None:
-            mask_strides, mask_len = attn_mask.stride(), attn_mask.shape[-1]
-        grid = (batch * math.ceil(rows / cfg.block_m), self.plan.num_splits)
-        names = ("q", "kv_c", "k_pe", "cache_seqlens", "bt", "out", "lse", "kv_desc", "pe_desc",
-                 "mask")  # fmt: skip
-        args = [Data(name) for name in names]
-        args += [
-            *q.stride(),
-            *kv_c.stride(),
-            *k_pe.stride(),
-            *bt_strides,
-            *out.stride(),
-            *lse.stride(),
-            *mask_strides,
-            mask_len,
-            num_pages,
-            max_pages,
-            capacity,
-            Data("scale_log2"),
-            Data("kv_scale_c"),
-            Data("kv_scale_pe"),
-            self.plan.num_splits,
-            self.plan.total_splits or 0,
-            batch,
-        ]
-        constexprs = dict(
-            S_Q=s_q,
-            H=heads,
-            L=kv_len,
-            R=rope_len,
-            PAGE_SIZE=page_size,
-            MIN_CHUNK=MIN_CHUNK,
-            GRANULE=SPLIT_GRANULE,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            BLOCK_L=block_l,
-            BLOCK_R=block_r,
-            PAGED=paged,
-            CAUSAL=self.plan.causal,
-            HAS_PE=rope_len > 0,
-            DOT_PRECISION=precision,
-            USE_TMA=use_tma,
-            HAS_MASK=attn_mask is not None,
-            MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
-            MASK_HIDDEN=MASK_HIDDEN,
-            KV_F16=kv_f16,
-            PTX_CONVERT=ptx_convert,
-            BALANCED=self.plan.total_splits is not None,
-            ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
-            BLOCK_B=triton_plan.lengths_per_step,
-            FILL_EMPTY=self.plan.fill_empty,
-            LAUNCH_DEPENDENTS=device.has_pdl(q.device),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )
-        return PreparedLaunch(_mla_decode_kernel, grid, args, constexprs)
-
-    def _triton_data(
+    def _launch_repair(
         self,
         q: torch.Tensor,
         kv_c: torch.Tensor,
@@ -215,24 +142,152 @@ class _DecodeLaunch:
         softmax_scale: float,
         kv_scale: float | None,
         attn_mask: torch.Tensor | None,
-    ) -> dict[str, object]:
-        """One call's data for the Triton kernel's prepared launch."""
-        use_tma, block_n = self.plan.triton.use_tma, self.plan.triton.tiling.block_n
-        mask = None
-        if attn_mask is not None:
-            # A bool tensor is read as bytes (same storage, no copy).
-            mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
-        return {
-            "q": q, "kv_c": kv_c, "k_pe": k_pe, "cache_seqlens": cache_seqlens,
-            # Unpaged: never read.
-            "bt": block_table if block_table is not None else cache_seqlens,
-            "out": out, "lse": lse,
-            "kv_desc": _descriptor(kv_c, block_n) if use_tma else None,
-            "pe_desc": _descriptor(k_pe, block_n) if use_tma and k_pe.shape[-1] else None,
-            "mask": mask, "scale_log2": softmax_scale * 1.4426950408889634,
-            "kv_scale_c": kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
-            "kv_scale_pe": kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
-        }  # fmt: skip
+        merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """The repair pass (``planner.repair_needed``) over what the decode wrote: its partials,
+        split as the decode split them, or the final rows when the Hopper kernel merged them
+        (``[B, S_q, H, 1, L]``, recomputed over whole sequences)."""
+        plan = self.plan
+        splits = (plan.num_splits, plan.total_splits)
+        if merge_into is not None:
+            out, lse = merge_into[0].unsqueeze(3), merge_into[1].unsqueeze(3)
+            splits = (1, None)
+        if self.repair is None:
+            self.repair = _prepare_triton(
+                plan.repair, *splits, plan.causal, False, q, kv_c, k_pe, block_table, out, lse,
+                attn_mask, repair=True,
+            )  # fmt: skip
+        data = _triton_data(plan.repair, q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
+                            softmax_scale, kv_scale, attn_mask)  # fmt: skip
+        with _on_device(q.device):
+            LAST_LAUNCH["repair_kernel"] = self.repair.launch(data)
+
+
+def _prepare_triton(
+    triton_plan: TritonPlan,
+    num_splits: int,
+    total_splits: int | None,
+    causal: bool,
+    fill_empty: bool,
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    block_table: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    repair: bool = False,
+) -> PreparedLaunch:
+    """The Triton kernel's launch for ``triton_plan``'s tiling over ``num_splits`` splits
+    (``repair``: the repair pass, ``planner.repair_needed``)."""
+    cfg = triton_plan.tiling
+    batch, s_q, heads, _ = q.shape
+    kv_len, rope_len = kv_c.shape[-1], k_pe.shape[-1]
+    rows = s_q * heads
+    block_l = next_pow2(kv_len)
+    block_r = next_pow2(max(rope_len, 1))
+    paged = block_table is not None
+    if paged:
+        num_pages, page_size, capacity = kv_c.shape[0], kv_c.shape[1], 0
+        max_pages = block_table.shape[1]
+        bt_strides = block_table.stride()
+    else:  # page_size is a compile-time constant: the cache length must not be one
+        num_pages, page_size, max_pages, capacity = batch, 1, 1, kv_c.shape[1]
+        bt_strides = (0, 0)  # never read
+    # fp32 inputs get IEEE fp32 dots (not tf32): users asking for fp32 expect fp32 accuracy.
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_tma, kv_f16 = triton_plan.use_tma, triton_plan.kv_f16
+    ptx_convert = triton_plan.ptx_convert
+    mask_strides, mask_len = (0, 0, 0), 0
+    if attn_mask is not None:
+        mask_strides, mask_len = attn_mask.stride(), attn_mask.shape[-1]
+    grid = (batch * math.ceil(rows / cfg.block_m), num_splits)
+    names = ("q", "kv_c", "k_pe", "cache_seqlens", "bt", "out", "lse", "kv_desc", "pe_desc",
+             "mask")  # fmt: skip
+    args = [Data(name) for name in names]
+    args += [
+        *q.stride(),
+        *kv_c.stride(),
+        *k_pe.stride(),
+        *bt_strides,
+        *out.stride(),
+        *lse.stride(),
+        *mask_strides,
+        mask_len,
+        num_pages,
+        max_pages,
+        capacity,
+        Data("scale_log2"),
+        Data("kv_scale_c"),
+        Data("kv_scale_pe"),
+        num_splits,
+        total_splits or 0,
+        batch,
+    ]
+    constexprs = dict(
+        S_Q=s_q,
+        H=heads,
+        L=kv_len,
+        R=rope_len,
+        PAGE_SIZE=page_size,
+        MIN_CHUNK=MIN_CHUNK,
+        GRANULE=SPLIT_GRANULE,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        PAGED=paged,
+        CAUSAL=causal,
+        HAS_PE=rope_len > 0,
+        DOT_PRECISION=precision,
+        USE_TMA=use_tma,
+        HAS_MASK=attn_mask is not None,
+        MASK_IS_BOOL=attn_mask is not None and attn_mask.dtype == torch.bool,
+        MASK_HIDDEN=MASK_HIDDEN,
+        KV_F16=kv_f16,
+        PTX_CONVERT=ptx_convert,
+        BALANCED=total_splits is not None,
+        ONE_POSITION=s_q == 1 or heads % cfg.block_m == 0,
+        BLOCK_B=triton_plan.lengths_per_step,
+        FILL_EMPTY=fill_empty,
+        LAUNCH_DEPENDENTS=device.has_pdl(q.device),
+        REPAIR=repair,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return PreparedLaunch(_mla_decode_kernel, grid, args, constexprs)
+
+
+def _triton_data(
+    triton_plan: TritonPlan,
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    kv_scale: float | None,
+    attn_mask: torch.Tensor | None,
+) -> dict[str, object]:
+    """One call's data for the Triton kernel's prepared launch."""
+    use_tma, block_n = triton_plan.use_tma, triton_plan.tiling.block_n
+    mask = None
+    if attn_mask is not None:
+        # A bool tensor is read as bytes (same storage, no copy).
+        mask = attn_mask.view(torch.uint8) if attn_mask.dtype == torch.bool else attn_mask
+    return {
+        "q": q, "kv_c": kv_c, "k_pe": k_pe, "cache_seqlens": cache_seqlens,
+        # Unpaged: never read.
+        "bt": block_table if block_table is not None else cache_seqlens,
+        "out": out, "lse": lse,
+        "kv_desc": _descriptor(kv_c, block_n) if use_tma else None,
+        "pe_desc": _descriptor(k_pe, block_n) if use_tma and k_pe.shape[-1] else None,
+        "mask": mask, "scale_log2": softmax_scale * 1.4426950408889634,
+        "kv_scale_c": kv_scale if kv_c.dtype == torch.float8_e4m3fn else 1.0,
+        "kv_scale_pe": kv_scale if k_pe.dtype == torch.float8_e4m3fn else 1.0,
+    }  # fmt: skip
 
 
 class _CombineLaunch:

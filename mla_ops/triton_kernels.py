@@ -187,6 +187,7 @@ def _mla_decode_kernel(
     BLOCK_B: tl.constexpr,  # sequences summed per step when BALANCED
     FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (the combine) launch early (PDL)
+    REPAIR: tl.constexpr,  # the repair pass (see below), over outputs already written
 ):
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
@@ -222,14 +223,33 @@ def _mla_decode_kernel(
     if start >= end:
         # An empty split (past its sequence's end): the contract's zeros and -inf, without reading
         # the query (FILL_EMPTY off: the -inf alone). A balanced plan leaves up to
-        # RAGGED_HEADROOM x more splits than it fills.
-        _store_partial(
-            O_PART, LSE_PART, tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32),
-            tl.full([BLOCK_M], float("-inf"), tl.float32), b64, s_idx, h_idx, split, offs_l,
-            row_ok, l_ok & FILL_EMPTY, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
-            stride_lb, stride_ls, stride_lh, stride_lk,
-        )  # fmt: skip
+        # RAGGED_HEADROOM x more splits than it fills. The repair pass has nothing to redo here.
+        if not REPAIR:
+            _store_partial(
+                O_PART, LSE_PART, tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32),
+                tl.full([BLOCK_M], float("-inf"), tl.float32), b64, s_idx, h_idx, split, offs_l,
+                row_ok, l_ok & FILL_EMPTY, stride_ob, stride_os, stride_oh, stride_ok, stride_od,
+                stride_lb, stride_ls, stride_lh, stride_lk,
+            )  # fmt: skip
         return
+
+    if REPAIR:
+        # The repair pass (planner.repair_plan): a program of several query positions under a
+        # causal or masked problem computes P @ V over keys that some of its rows do not see, so
+        # a non-finite key seen only by later positions makes the earlier rows NaN (0 x inf).
+        # Here the rows already written are checked, and only a program holding a non-finite
+        # value computes them again, isolating such keys: found in the scores (the query is
+        # finite, so the key's score is non-finite in every row), their value rows zeroed before
+        # P @ V, and the rows that see one set to NaN at the end. Finite outputs cost one read.
+        o_row = O_PART + b64 * stride_ob + s_idx * stride_os + h_idx * stride_oh
+        written = tl.load(
+            o_row[:, None] + split * stride_ok + offs_l[None, :] * stride_od,
+            mask=row_ok[:, None] & l_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, BLOCK_L]
+        non_finite = (written != written) | (tl.abs(written) == float("inf"))
+        if tl.max(tl.max(non_finite.to(tl.int32), 1), 0) == 0:
+            return
 
     q_row = Q + b64 * stride_qb + s_idx * stride_qs + h_idx * stride_qh  # [BLOCK_M]
     q_nope = tl.load(
@@ -274,6 +294,7 @@ def _mla_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_L], dtype=tl.float32)
     n_bad = tl.zeros([BLOCK_N], dtype=tl.int32)
+    saw_non_finite = tl.zeros([BLOCK_M], dtype=tl.int32)  # REPAIR: rows that see such a key
 
     for tile_start in range(start, end, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
@@ -364,8 +385,14 @@ def _mla_decode_kernel(
                 PTX_CONVERT,
             )
             n_bad += (tok_ok & ~ld).to(tl.int32)
+        if REPAIR:
+            key_non_finite = tl.max(((qk != qk) | (tl.abs(qk) == float("inf"))).to(tl.int32), 0)
+            kv = tl.where(key_non_finite[:, None] > 0, 0.0, kv).to(kv.dtype)
         qk = qk * scale_log2
         visible = visible & ld[None, :]
+        if REPAIR:
+            sees = visible & (key_non_finite[None, :] > 0)  # [BLOCK_M or 1, BLOCK_N]
+            saw_non_finite = saw_non_finite | tl.max(sees.to(tl.int32), 1)
         if HAS_MASK and not MASK_IS_BOOL:
             qk += tl.where(bias > MASK_HIDDEN, bias, 0.0) * 1.4426950408889634
         qk = tl.where(visible, qk, float("-inf"))
@@ -393,6 +420,9 @@ def _mla_decode_kernel(
     poisoned = tl.sum(n_bad, 0) > 0
     out = tl.where(poisoned, float("nan"), out)
     lse = tl.where(poisoned, float("nan"), lse)
+    if REPAIR:
+        out = tl.where(saw_non_finite[:, None] > 0, float("nan"), out)
+        lse = tl.where(saw_non_finite > 0, float("nan"), lse)
 
     _store_partial(
         O_PART, LSE_PART, out, lse, b64, s_idx, h_idx, split, offs_l, row_ok, l_ok, stride_ob,

@@ -7,7 +7,6 @@ interpreter gets float32/float16 only: its bf16 tl.dot is unsupported (triton is
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
 
 import pytest
@@ -452,16 +451,18 @@ def test_hidden_keys_holding_nan_do_not_leak(kernels, kind: str) -> None:
 
 # inf - inf and 0 x inf in the interpreter, on purpose
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("merged", [False, True], ids=["decode+combine", "attention"])
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 @pytest.mark.parametrize("mask", [None, "bool"])
-def test_a_non_finite_key_is_never_silently_finite(kernels, bad: float, mask) -> None:
+def test_a_non_finite_key_reaches_only_the_rows_that_see_it(
+    kernels, bad: float, mask, merged: bool
+) -> None:
     """S_q = 2, causal: each sequence's last key is seen by its second query only, and the rows
-    of both positions share a program (3 heads x 2 positions). NaN there makes every row that
-    sees it non-finite (inf may score -inf in a row, which then leaves the key out). Each value
-    of the first position (output and LSE) comes out either what it is with a finite key or
-    NaN, never another finite number: the kernel does not isolate such a key from the other
-    rows of its program, where ``0 x inf`` reaches the key's non-finite columns (docs/ops.md
-    gives the cost measured)."""
+    of both positions share a program (3 heads x 2 positions). With that key non-finite, the
+    first position's rows (output and LSE) are bit-equal to the finite key's, and every row of
+    the second position is NaN (the PyTorch implementation makes the same rows non-finite). The
+    decode alone would make the first position NaN too (``0 x inf`` in ``P @ V``): the repair
+    pass recomputes those programs, and leaves finite outputs as they were."""
     case = make_case(
         77, dtype=torch.float32, device=DEVICE, page_size=16, dims=(32, 16), lengths=[40, 17],
         s_q=2, heads=3, num_splits=2, causal=True, mask=mask,
@@ -469,15 +470,53 @@ def test_a_non_finite_key_is_never_silently_finite(kernels, bad: float, mask) ->
     for b, length in enumerate(case.cache_seqlens.tolist()):
         if case.attn_mask is not None:  # the second query sees the last key, whatever the holes
             case.attn_mask[b, 1, length - 1] = True
-    clean_out, clean_lse = run_kernels(kernels, case)
+
+    def run():
+        if merged:
+            return runtime.attention(*case.op_args())
+        return run_kernels(kernels, case)
+
+    clean_out, clean_lse = run()
+    assert "query positions" in runtime.LAST_LAUNCH["repair"]  # planned for this shape
+    assert "repair_kernel" in runtime.LAST_LAUNCH  # and launched
     for b, length in enumerate(case.cache_seqlens.tolist()):
         page = case.block_table[b, (length - 1) // 16]
         case.kv_c[page, (length - 1) % 16, 5] = bad
-    out, lse = run_kernels(kernels, case)
-    assert ((out[:, 0] == clean_out[:, 0]) | torch.isnan(out[:, 0])).all()
-    assert ((lse[:, 0] == clean_lse[:, 0]) | torch.isnan(lse[:, 0])).all()
-    if math.isnan(bad):
-        assert not torch.isfinite(out[:, 1]).all(dim=-1).any()
+    out, lse = run()
+    assert torch.equal(out[:, 0], clean_out[:, 0]) and torch.equal(lse[:, 0], clean_lse[:, 0])
+    assert torch.isnan(out[:, 1]).all() and torch.isnan(lse[:, 1]).all()
+    ref_out, _ = case.reference()  # the same rows non-finite (where, within a row, may differ)
+    assert torch.equal(torch.isnan(out).any(-1), torch.isnan(ref_out).any(-1))
+
+
+def test_the_repair_pass_is_planned_where_programs_mix_positions() -> None:
+    """``planner.repair_needed``: only programs of several query positions (S_q > 1, heads not
+    a multiple of the block) under a causal or masked problem need the pass, and the plan says
+    why either way."""
+    assert planner.repair_needed(2, 3, 16, causal=True, masked=False)[0]
+    assert planner.repair_needed(4, 16, 64, causal=False, masked=True)[0]
+    assert not planner.repair_needed(1, 3, 16, causal=True, masked=True)[0]
+    assert not planner.repair_needed(4, 128, 64, causal=True, masked=True)[0]
+    needed, why = planner.repair_needed(2, 3, 16, causal=False, masked=False)
+    assert not needed and "same keys" in why
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_the_repair_pass_can_be_turned_off(kernels) -> None:
+    """``DecodeOptions(repair_non_finite=False)``: no repair launch, the plan says so, and a
+    non-finite key seen only by the later position then reaches the earlier one's rows too."""
+    case = make_case(
+        78, dtype=torch.float32, device=DEVICE, page_size=16, dims=(32, 16), lengths=[40],
+        s_q=2, heads=3, num_splits=1, causal=True,
+    )  # fmt: skip
+    case.kv_c[case.block_table[0, 39 // 16], 39 % 16, 5] = float("nan")
+    options = planner.DecodeOptions(repair_non_finite=False)
+    out, _ = runtime.attention(*case.op_args(), options=options)
+    assert "turned off" in runtime.LAST_LAUNCH["repair"]
+    assert "repair_kernel" not in runtime.LAST_LAUNCH
+    assert torch.isnan(out[:, 0]).any(-1).all()  # the NaN column, through 0 x NaN
+    out, _ = runtime.attention(*case.op_args())
+    assert torch.isfinite(out[:, 0]).all() and torch.isnan(out[:, 1]).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
