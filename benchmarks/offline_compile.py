@@ -63,7 +63,7 @@ def compile_decode(
         DOT_PRECISION="tf32", USE_TMA=tma, HAS_MASK=mask is not None, LAUNCH_DEPENDENTS=True,
         MASK_IS_BOOL=mask == "i1", MASK_HIDDEN=MASK_HIDDEN,
         KV_F16=kv_f16, PTX_CONVERT=ptx_convert, BALANCED=balanced, BLOCK_B=128, FILL_EMPTY=False,
-        ONE_POSITION=one_position, REPAIR=repair,
+        ONE_POSITION=one_position, REPAIR=repair, WAIT_PRIMARY=repair,
     )  # fmt: skip
     if not tma:
         const.update(KV_DESC=None, PE_DESC=None)

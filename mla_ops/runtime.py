@@ -252,9 +252,13 @@ def _prepare_triton(
         FILL_EMPTY=fill_empty,
         LAUNCH_DEPENDENTS=device.has_pdl(q.device),
         REPAIR=repair,
+        # The repair pass launches while the decode's programs finish (PDL), and waits for them.
+        WAIT_PRIMARY=repair and device.has_pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if constexprs["WAIT_PRIMARY"]:
+        constexprs["launch_pdl"] = True
     return PreparedLaunch(_mla_decode_kernel, grid, args, constexprs)
 
 

@@ -188,7 +188,12 @@ def _mla_decode_kernel(
     FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (the combine) launch early (PDL)
     REPAIR: tl.constexpr,  # the repair pass (see below), over outputs already written
+    WAIT_PRIMARY: tl.constexpr,  # REPAIR launched early (PDL): wait for the decode's writes
 ):
+    if WAIT_PRIMARY:
+        # Before anything else, so that the repair grid ends after the decode's in every case
+        # (the combine launched after it waits on this grid alone).
+        gdc_wait()
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
     num_row_blocks = tl.cdiv(S_Q * H, BLOCK_M)
