@@ -11,6 +11,11 @@ whole; the exchange per step and layer is ``world x B x S_q x H x (L + 1)`` floa
 
 The gather is ``torch.distributed``'s functional collective (traceable: a compiled step keeps it
 in its graph), so any backend works: NCCL on GPUs, gloo on CPU.
+
+``ContextParallelCache`` is one rank's share as a cache: a ``PagedLatentCache`` of the tokens
+the rank owns (pages for ``1 / world`` of ``max_length``), kept in step with the global lengths
+through appends of any length (a prompt, a decode step, a verify block), crops, beam reorders
+and batch regroups, each applied by every rank of the group alike.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from .ops import mla_combine, mla_decode
+from .paged_cache import PagedLatentCache
 from .reference import accumulation_dtype
 
 # The traceable all-gather: ``all_gather_single`` where torch has it (``all_gather_tensor``, its
@@ -51,11 +57,23 @@ def global_position(local: torch.Tensor, rank: int, world: int, interleave: int 
     return (local // interleave) * (interleave * world) + rank * interleave + local % interleave
 
 
-def _check(q: torch.Tensor, world: int, rank: int, interleave: int) -> None:
+def local_capacity(max_length: int, world: int, interleave: int = 1) -> int:
+    """The most tokens one rank holds of a sequence of ``max_length`` tokens."""
+    span = interleave * world
+    return -(-max_length // span) * interleave
+
+
+def _check_group(world: int, rank: int, interleave: int) -> None:
     if not isinstance(interleave, int) or isinstance(interleave, bool) or interleave < 1:
         raise ValueError(f"interleave must be a positive int, got {interleave!r}")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a group of {world}")
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise ValueError(f"world must be a positive int, got {world!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r} is not in a group of {world}")
+
+
+def _check(q: torch.Tensor, world: int, rank: int, interleave: int) -> None:
+    _check_group(world, rank, interleave)
     if q.dim() != 4:
         raise ValueError(f"q must be [B, S_q, H, L+R], got shape {tuple(q.shape)}")
 
@@ -126,12 +144,141 @@ def shard_rows(
     """Rank ``rank``'s slice of a dense ``[B, T, D]`` cache (every sequence's tokens it holds, in
     local order, zero past its length): ``[B, ceil(T / world) rounded up to interleave, D]``."""
     capacity = rows.shape[1]
-    span = interleave * world
-    local_capacity = -(-capacity // span) * interleave
-    local = torch.arange(local_capacity, device=rows.device)
+    local = torch.arange(local_capacity(capacity, world, interleave), device=rows.device)
     source = global_position(local, rank, world, interleave)  # [T_local]
     inside = source < capacity
     taken = rows[:, source.clamp(max=capacity - 1)]  # [B, T_local, D]
     lengths = local_lengths(cache_seqlens, rank, world, interleave).long()
     keep = inside[None, :] & (local[None, :] < lengths[:, None])
     return torch.where(keep[..., None], taken, torch.zeros((), dtype=rows.dtype))
+
+
+class ContextParallelCache:
+    """One rank's share of a latent cache sharded by token across a group (growing mode).
+
+    Args:
+        rank, world: this rank and the group's size (``for_group`` reads them from a process
+            group); interleave: tokens per turn (see the module docstring).
+        The rest as ``PagedLatentCache``'s; ``max_length`` is the global most tokens per
+        sequence, and the pages are allocated for this rank's share of it.
+
+    Every rank calls every method with the same arguments (the whole new rows on ``append``),
+    as the layers of a model replicated over the group do; each keeps the rows it owns.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        num_layers: int,
+        batch_size: int,
+        kv_len: int,
+        rope_len: int,
+        max_length: int,
+        interleave: int = 1,
+        page_size: int = 64,
+        num_pages: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        _check_group(world, rank, interleave)
+        if not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+        self.rank, self.world, self.interleave = rank, world, interleave
+        self.max_length = max_length
+        self.local = PagedLatentCache(
+            num_layers=num_layers, batch_size=batch_size, kv_len=kv_len, rope_len=rope_len,
+            max_length=local_capacity(max_length, world, interleave), page_size=page_size,
+            num_pages=num_pages, dtype=dtype, device=device,
+        )  # fmt: skip
+        self._lengths = [0] * num_layers  # global tokens per sequence, by layer
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup | None = None, **kwargs) -> ContextParallelCache:
+        """The calling rank's share, for ``group`` (default: the world)."""
+        return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), **kwargs)
+
+    def get_seq_length(self, layer: int = 0) -> int:
+        """Global tokens stored per sequence in ``layer``."""
+        return self._lengths[layer]
+
+    def cache_seqlens(self, layer: int) -> torch.Tensor:
+        """``[B]`` int32 global lengths of ``layer`` (``context_parallel_decode``'s argument)."""
+        batch = self.local.batch_size
+        return torch.full((batch,), self._lengths[layer], dtype=torch.int32, device=self.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.local.device
+
+    def cache_bytes(self) -> int:
+        """Bytes of this rank's pools (every layer)."""
+        return sum(p.numel() * p.element_size() for p in self.local.all_pools)
+
+    def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Store the ``S`` new tokens of every sequence (``kv_c [B, S, L]``, ``k_pe [B, S, R]``,
+        the same on every rank): this rank keeps those it owns."""
+        self.local._check_rows(kv_c, k_pe)
+        start, new = self._lengths[layer], kv_c.shape[1]
+        if start + new > self.max_length:
+            raise ValueError(
+                f"cache capacity exceeded: {start} + {new} tokens > max_length={self.max_length}"
+            )
+        position = torch.arange(start, start + new, device=kv_c.device)
+        mine = (owner(position, self.world, self.interleave) == self.rank).nonzero()[:, 0]
+        if mine.numel():
+            self.local.append(layer, kv_c[:, mine], k_pe[:, mine])
+        self._lengths[layer] = start + new
+
+    def decode(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        *,
+        group: dist.ProcessGroup | None = None,
+        softmax_scale: float,
+        causal: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``context_parallel_decode`` of ``q [B, S_q, H, L+R]`` over ``layer`` across ``group``
+        (its ranks and size must be this cache's)."""
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        if (world, rank) != (self.world, self.rank):
+            raise ValueError(
+                f"group is rank {rank} of {world}; this cache holds rank {self.rank} of "
+                f"{self.world}'s tokens"
+            )
+        return context_parallel_decode(
+            q, self.local.pools[layer], self.cache_seqlens(layer), group=group,
+            block_table=self.local.block_table, head_dim_v=self.local.kv_len,
+            softmax_scale=softmax_scale, causal=causal, interleave=self.interleave,
+        )  # fmt: skip
+
+    def crop(self, max_length: int, layer: int | None = None) -> None:
+        """Keep the first ``max_length`` global tokens (negative: drop that many)."""
+        layers = range(self.local.num_layers) if layer is None else [layer]
+        keeps = {}
+        for index in layers:  # every layer checked before any is cropped
+            length = self._lengths[index]
+            keep = length + max_length if max_length < 0 else min(length, max_length)
+            if keep < 0:
+                raise ValueError(
+                    f"cannot crop {-max_length} tokens from layer {index}'s {length}-token cache"
+                )
+            keeps[index] = keep
+        for index, keep in keeps.items():
+            mine = local_lengths(torch.tensor([keep]), self.rank, self.world, self.interleave)
+            self.local.crop(int(mine[0]), layer=index)
+            self._lengths[index] = keep
+
+    def reorder(self, beam_idx: torch.Tensor, layer: int | None = None) -> None:
+        """Sequence ``i`` becomes a copy of sequence ``beam_idx[i]`` (``PagedLatentCache``)."""
+        self.local.reorder(beam_idx, layer)
+
+    def regroup(self, sources: torch.Tensor) -> None:
+        """A new batch of copies of ``sources`` (``PagedLatentCache.regroup``)."""
+        self.local.regroup(sources)
+
+    def reset(self) -> None:
+        """Empty every sequence."""
+        self.crop(0)

@@ -2,7 +2,10 @@
 4 gloo processes gives, on every rank, single-process ``mla_decode``'s output and LSE (float64,
 1e-10), for S_q 1 and 3 (causal), lengths 0, below the group size and ragged, dense and paged
 slices, token interleaves 1 and 2 (every combination on 2 ranks, one on 4); and does under
-``torch.compile(fullgraph=True)`` (2 ranks)."""
+``torch.compile(fullgraph=True)`` (2 ranks). ``ContextParallelCache``: each rank's share follows
+a single-process cache through random appends, crops, beam reorders and batch regroups, holds
+1 / world of its pages, and decodes (prefill, steps, a verify block) to the single process's
+output."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import torch.multiprocessing as mp
 
 from mla_compile.mla_ops import context_parallel as cp
 from mla_compile.mla_ops import mla_decode
+from mla_compile.mla_ops.paged_cache import PagedLatentCache
 
 L, R, H = 32, 8, 5
 
@@ -79,8 +83,41 @@ def _worker(rank: int, world: int, init: str) -> None:
         want = mla_decode(q, rows, lengths, head_dim_v=L, softmax_scale=0.3, causal=True)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+        _cache_decodes(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _caches(rank: int, world: int, interleave: int, batch: int = 3, layers: int = 2):
+    kwargs = dict(num_layers=layers, batch_size=batch, kv_len=L, rope_len=R, max_length=90,
+                  page_size=4, dtype=torch.float64)  # fmt: skip
+    full = PagedLatentCache(**kwargs)
+    share = cp.ContextParallelCache(rank=rank, world=world, interleave=interleave, **kwargs)
+    return full, share
+
+
+def _cache_decodes(rank: int, world: int) -> None:
+    """A prompt of 37 tokens, two one-token steps and a verify block of 3, then a crop back to
+    a rejected draft: every decode on the shares equals the single process's."""
+    gen = torch.Generator().manual_seed(5)
+    full, share = _caches(rank, world, interleave=2)
+    for new in (37, 1, 1, 3, -2, 1):
+        if new < 0:
+            full.crop(new, layer=1)
+            share.crop(new, layer=1)
+            continue
+        rows = torch.randn(3, new, L + R, generator=gen, dtype=torch.float64)
+        q = torch.randn(3, new if new <= 3 else 1, H, L + R, generator=gen, dtype=torch.float64)
+        for cache in (full, share):
+            cache.append(1, rows[..., :L], rows[..., L:])
+        want = mla_decode(q, full.pools[1], full.seqlens[1], block_table=full.block_table,
+                          head_dim_v=L, softmax_scale=0.3)  # fmt: skip
+        got = share.decode(1, q, softmax_scale=0.3)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    other = _caches(rank, world + 1, interleave=2)[1]  # made for another group
+    with pytest.raises(ValueError, match=f"this cache holds rank {rank} of {world + 1}"):
+        other.decode(1, q, softmax_scale=0.3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -88,3 +125,67 @@ def test_sharded_cache_equals_one_process(tmp_path, world: int) -> None:
     """A failing rank's exception and traceback come back through ``mp.spawn``."""
     init = f"file://{tmp_path / 'rendezvous'}"
     mp.spawn(_worker, args=(world, init), nprocs=world)
+
+
+@pytest.mark.parametrize("world,interleave", [(2, 1), (3, 2), (4, 1)])
+def test_each_share_follows_the_whole_cache(world: int, interleave: int) -> None:
+    """Random appends (a prompt, steps, verify blocks), crops, beam reorders and regroups,
+    applied alike to a single-process cache and to every rank's share: after each, each share
+    holds exactly ``shard_rows`` of the whole cache's rows, and the shares' pools hold
+    ``1 / world`` of the whole's pages (to a page)."""
+    gen = torch.Generator().manual_seed(world * 10 + interleave)
+    full, _ = _caches(0, world, interleave)
+    shares = [_caches(rank, world, interleave)[1] for rank in range(world)]
+    page_bytes = 2 * 4 * (L + R) * 8  # a page of every layer
+    for share in shares:  # 1 / world of the pages, give or take one per sequence
+        assert (
+            share.cache_bytes() * world
+            <= sum(p.numel() * 8 for p in full.pools) + world * 3 * page_bytes
+        )
+    for _ in range(40):
+        op = int(torch.randint(0, 5, (), generator=gen))
+        length = full.get_seq_length(0)
+        batch = full.batch_size
+        if op <= 1:
+            new = int(torch.randint(1, 12 if op else 4, (), generator=gen))
+            new = min(new, 90 - length)
+            if new == 0:
+                continue
+            rows = torch.randn(batch, new, L + R, generator=gen, dtype=torch.float64)
+            for cache in (full, *shares):
+                for layer in (0, 1):
+                    cache.append(layer, rows[..., :L] + layer, rows[..., L:])
+        elif op == 2:
+            keep = int(torch.randint(0, length + 1, (), generator=gen))
+            for cache in (full, *shares):
+                cache.crop(keep)
+        elif op == 3:
+            beams = torch.randint(0, batch, (batch,), generator=gen)
+            for cache in (full, *shares):
+                cache.reorder(beams)
+        else:
+            sources = torch.randint(0, batch, (int(torch.randint(1, 4, (), generator=gen)),),
+                                    generator=gen)  # fmt: skip
+            for cache in (full, *shares):
+                cache.regroup(sources)
+        lengths = full.seqlens[0]
+        for layer in (0, 1):
+            whole = torch.cat(full.rows(layer), dim=-1)  # [B, T, L+R]
+            for rank, share in enumerate(shares):
+                assert share.get_seq_length(layer) == full.get_seq_length(layer)
+                want = cp.shard_rows(whole, lengths, rank, world, interleave)
+                got = torch.cat(share.local.rows(layer), dim=-1)
+                assert torch.equal(got, want[:, : got.shape[1]])
+                assert not want[:, got.shape[1] :].any()
+
+
+def test_a_share_refuses_another_group() -> None:
+    """A share decodes only across the group it was made for, and an overflowing append is an
+    error on every rank."""
+    _, share = _caches(0, 2, 1)
+    with pytest.raises(ValueError, match="rank 2 is not in a group of 2"):
+        cp.ContextParallelCache(rank=2, world=2, num_layers=1, batch_size=1, kv_len=L,
+                                rope_len=R, max_length=8)  # fmt: skip
+    rows = torch.zeros(3, 91, L + R, dtype=torch.float64)
+    with pytest.raises(ValueError, match="max_length=90"):
+        share.append(0, rows[..., :L], rows[..., L:])
