@@ -66,6 +66,17 @@ PATHS = {
              cache_dtype=FP8, pair=True),
         ("wgmma", "transposed", False),
     ),
+    # The repair pass, triggered: each sequence's last key NaN, seen by the last position only.
+    "repair_after_wgmma": (
+        dict(heads=16, s_q=2, page_size=64, dims=(512, 64), lengths=[300, 64], num_splits=3,
+             poison_last_key=True),
+        ("wgmma", "transposed", False),
+    ),
+    "repair_after_wgmma_merge_gather": (
+        dict(heads=3, s_q=4, page_size=16, dims=(512, 64), lengths=[70, 5], num_splits=2,
+             poison_last_key=True),
+        ("wgmma", "transposed", True),
+    ),
     "triton_fallback_l1024": (
         dict(heads=16, s_q=1, page_size=64, dims=(1024, 64), lengths=[200, 30], num_splits=3),
         ("triton", None, False),
@@ -75,7 +86,13 @@ PATHS = {
 
 def run_path(name: str) -> None:
     kw, (kernel, loop, merged) = PATHS[name]
+    kw = dict(kw)
+    poison = kw.pop("poison_last_key", False)
     case = make_case(7, dtype=torch.bfloat16, device="cuda", causal=kw.get("s_q", 1) > 1, **kw)
+    if poison:
+        page = case.kv_c.shape[1]
+        for b, n in enumerate(case.cache_seqlens.tolist()):
+            case.kv_c[case.block_table[b, (n - 1) // page], (n - 1) % page, 5] = float("nan")
     args = case.op_args()
     plan = planner.plan_decode(
         *args[:3], args[4], args[9], causal=case.causal, num_splits=case.num_splits,
@@ -84,9 +101,15 @@ def run_path(name: str) -> None:
     got = (plan.kernel, plan.wgmma.loop if plan.wgmma else None, plan.merge_in_kernel)
     if got != (kernel, loop, merged):
         raise SystemExit(f"{name}: planned {got}, expected {(kernel, loop, merged)}")
+    if poison and plan.repair is None:
+        raise SystemExit(f"{name}: no repair pass planned ({plan.why('repair')})")
     out, lse = runtime.attention(*args)
     torch.cuda.synchronize()
     ref_out, ref_lse = case.reference()
+    if poison:  # the last position sees the NaN key; the others must be as without it
+        if not torch.isnan(out[:, -1]).any(-1).all():
+            raise SystemExit(f"{name}: a row that sees the NaN key came out finite")
+        out, lse, ref_out, ref_lse = out[:, :-1], lse[:, :-1], ref_out[:, :-1], ref_lse[:, :-1]
     tolerance = (6e-2, 6e-2) if case.kv_c.dtype == FP8 else None
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16, f"{name}: {case.describe()}",
                    tolerance=tolerance, lse_tolerance=6e-2 if tolerance else None)  # fmt: skip
