@@ -67,7 +67,7 @@ def poison(args, value):
 
 def correctness():
     rows = []
-    heads = [3, 16] if "--quick" in sys.argv else [3, 16, 40]
+    heads = [16] if "--quick" in sys.argv else [3, 16, 40]
     combos = itertools.product(
         heads, [2, 4], [64, 16], [False, True], [False, True], [None, TRITON]
     )
