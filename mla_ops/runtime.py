@@ -94,11 +94,9 @@ class _DecodeLaunch:
         kv_scale: float | None,
         attn_mask: torch.Tensor | None,
         merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-        repair: bool = True,
     ) -> None:
         """Launch into partials ``out``/``lse`` (and with ``merge_into``, the final output:
-        ``hopper.prepare``); ``LAST_LAUNCH["decode"]`` is the compiled kernel. ``repair``: run
-        the plan's repair pass here (off: the caller runs it over the merged output)."""
+        ``hopper.prepare``); ``LAST_LAUNCH["decode"]`` is the compiled kernel."""
         plan = self.plan
         float8 = kv_c.dtype == torch.float8_e4m3fn
         if plan.wgmma is not None:
@@ -128,13 +126,11 @@ class _DecodeLaunch:
             LAST_LAUNCH["decode"] = self.prepared.launch(data)
         LAST_LAUNCH["decode_launch"] = self.prepared.how
         LAST_LAUNCH.pop("repair_kernel", None)
-        if plan.repair is not None and repair:
-            if merge_into is not None:
-                out, lse = merge_into[:2]
-            self.launch_repair(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
-                               softmax_scale, kv_scale, attn_mask)  # fmt: skip
+        if plan.repair is not None:
+            self._launch_repair(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
+                                softmax_scale, kv_scale, attn_mask, merge_into)  # fmt: skip
 
-    def launch_repair(
+    def _launch_repair(
         self,
         q: torch.Tensor,
         kv_c: torch.Tensor,
@@ -146,15 +142,15 @@ class _DecodeLaunch:
         softmax_scale: float,
         kv_scale: float | None,
         attn_mask: torch.Tensor | None,
+        merge_into: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> None:
-        """The repair pass (``planner.repair_needed``) over partials ``out [B, S_q, H, S, L]``
-        and ``lse [B, S_q, H, S]``, split as the decode split them, or over the merged output
-        ``out [B, S_q, H, L]`` and ``lse [B, S_q, H]`` (recomputed over whole sequences: a read
-        of the final rows, far fewer bytes than the float32 partials)."""
+        """The repair pass (``planner.repair_needed``) over what the decode wrote: its partials,
+        split as the decode split them, or the final rows when the Hopper kernel merged them
+        (``[B, S_q, H, 1, L]``, recomputed over whole sequences)."""
         plan = self.plan
         splits = (plan.num_splits, plan.total_splits)
-        if out.dim() == 4:
-            out, lse = out.unsqueeze(3), lse.unsqueeze(3)
+        if merge_into is not None:
+            out, lse = merge_into[0].unsqueeze(3), merge_into[1].unsqueeze(3)
             splits = (1, None)
         if self.repair is None:
             self.repair = _prepare_triton(
@@ -256,7 +252,7 @@ def _prepare_triton(
         FILL_EMPTY=fill_empty,
         LAUNCH_DEPENDENTS=device.has_pdl(q.device),
         REPAIR=repair,
-        # The repair pass may launch before the kernel ahead of it ends (PDL), and waits for it.
+        # The repair pass launches while the decode's programs finish (PDL), and waits for them.
         WAIT_PRIMARY=repair and device.has_pdl(q.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -420,13 +416,9 @@ class _AttentionLaunch:
         if not plan.merge_in_kernel:
             out_partial, lse_partial = _run_decode(
                 self.decode, q, kv_c, k_pe, cache_seqlens, block_table, softmax_scale, kv_scale,
-                attn_mask, repair=False,
+                attn_mask,
             )  # fmt: skip
-            out, lse = _run_combine(self.combine, out_partial, lse_partial, q.dtype)
-            if plan.repair is not None and out.numel():
-                self.decode.launch_repair(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
-                                          softmax_scale, kv_scale, attn_mask)  # fmt: skip
-            return out, lse
+            return _run_combine(self.combine, out_partial, lse_partial, q.dtype)
         out = new_output((batch, s_q, heads, kv_len), q.dtype, q.device)
         lse = new_output((batch, s_q, heads), torch.float32, q.device)
         if out.numel() == 0 and lse.numel() == 0:
@@ -465,7 +457,6 @@ def _run_decode(
     softmax_scale: float,
     kv_scale: float | None,
     attn_mask: torch.Tensor | None,
-    repair: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, s_q, heads, _ = q.shape
     num_splits, kv_len = launch.plan.num_splits, kv_c.shape[-1]
@@ -474,7 +465,7 @@ def _run_decode(
     if out.numel() == 0 and lse.numel() == 0:
         return out, lse
     launch.launch(q, kv_c, k_pe, cache_seqlens, block_table, out, lse, softmax_scale, kv_scale,
-                  attn_mask, repair=repair)  # fmt: skip
+                  attn_mask)  # fmt: skip
     return out, lse
 
 

@@ -16,9 +16,7 @@ Safety: every cache read is masked to the split, the sequence length and the cac
 (TMA zero-fills outside the descriptor); a token inside ``cache_seqlens`` whose location is outside
 the cache (page id out of range, length beyond capacity) is never read: its rows come out NaN
 instead, with no host sync. Rows past a sequence's end are zeroed before ``P @ V`` (stale memory
-may hold NaN). The same kernel with ``REPAIR`` is the repair pass after a decode whose programs
-mix query positions (``planner.repair_needed``): it recomputes only programs whose outputs came
-out non-finite, isolating keys that only some of their rows see.
+may hold NaN).
 
 This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 """
@@ -190,11 +188,11 @@ def _mla_decode_kernel(
     FILL_EMPTY: tl.constexpr,  # an empty split writes its zero out (else only its -inf lse)
     LAUNCH_DEPENDENTS: tl.constexpr,  # let the next kernel (the combine) launch early (PDL)
     REPAIR: tl.constexpr,  # the repair pass (see below), over outputs already written
-    WAIT_PRIMARY: tl.constexpr,  # REPAIR launched early (PDL): wait for the previous kernel
+    WAIT_PRIMARY: tl.constexpr,  # REPAIR launched early (PDL): wait for the decode's writes
 ):
     if WAIT_PRIMARY:
-        # Before anything else, so that the repair grid ends after the kernel ahead of it in every
-        # case (a kernel launched after it waits on this grid alone).
+        # Before anything else, so that the repair grid ends after the decode's in every case
+        # (the combine launched after it waits on this grid alone).
         gdc_wait()
     pid_bm = tl.program_id(0)
     split = tl.program_id(1)
