@@ -121,11 +121,11 @@ class _DecodeLaunch:
                 )  # fmt: skip
             data = _triton_data(plan.triton, q, kv_c, k_pe, cache_seqlens, block_table, out,
                                 lse, softmax_scale, kv_scale, attn_mask)  # fmt: skip
+        LAST_LAUNCH.clear()  # nothing of an earlier plan's launch stays
         LAST_LAUNCH.update(plan.record)
         with _on_device(q.device):
             LAST_LAUNCH["decode"] = self.prepared.launch(data)
         LAST_LAUNCH["decode_launch"] = self.prepared.how
-        LAST_LAUNCH.pop("repair_kernel", None)
         if plan.repair is not None:
             self._launch_repair(q, kv_c, k_pe, cache_seqlens, block_table, out, lse,
                                 softmax_scale, kv_scale, attn_mask, merge_into)  # fmt: skip
