@@ -16,7 +16,9 @@ Safety: every cache read is masked to the split, the sequence length and the cac
 (TMA zero-fills outside the descriptor); a token inside ``cache_seqlens`` whose location is outside
 the cache (page id out of range, length beyond capacity) is never read: its rows come out NaN
 instead, with no host sync. Rows past a sequence's end are zeroed before ``P @ V`` (stale memory
-may hold NaN).
+may hold NaN). The same kernel with ``REPAIR`` is the repair pass after a decode whose programs
+mix query positions (``planner.repair_needed``): it recomputes only programs whose outputs came
+out non-finite, isolating keys that only some of their rows see.
 
 This module imports triton; ``ops.py`` imports it only when a kernel is needed.
 """
