@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from .ops import mla_combine, mla_decode
-from .paged_cache import PagedLatentCache
+from .paged_cache import PagedLatentCache, cropped_lengths
 from .reference import accumulation_dtype
 
 # The traceable all-gather: ``all_gather_single`` where torch has it (``all_gather_tensor``, its
@@ -257,15 +257,7 @@ class ContextParallelCache:
     def crop(self, max_length: int, layer: int | None = None) -> None:
         """Keep the first ``max_length`` global tokens (negative: drop that many)."""
         layers = range(self.local.num_layers) if layer is None else [layer]
-        keeps = {}
-        for index in layers:  # every layer checked before any is cropped
-            length = self._lengths[index]
-            keep = length + max_length if max_length < 0 else min(length, max_length)
-            if keep < 0:
-                raise ValueError(
-                    f"cannot crop {-max_length} tokens from layer {index}'s {length}-token cache"
-                )
-            keeps[index] = keep
+        keeps = cropped_lengths({index: self._lengths[index] for index in layers}, max_length)
         for index, keep in keeps.items():
             mine = local_lengths(torch.tensor([keep]), self.rank, self.world, self.interleave)
             self.local.crop(int(mine[0]), layer=index)

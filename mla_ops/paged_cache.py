@@ -32,6 +32,20 @@ def capacity_for(max_length: int, page_size: int) -> int:
     return math.ceil(max_length / page_size) * page_size
 
 
+def cropped_lengths(lengths: dict[int, int], max_length: int) -> dict[int, int]:
+    """The tokens each layer keeps (``{layer: length}`` in and out) when cropped to its first
+    ``max_length`` (negative: dropping that many); every layer is checked before any is cropped."""
+    keeps = {}
+    for index, length in lengths.items():
+        keep = length + max_length if max_length < 0 else min(length, max_length)
+        if keep < 0:
+            raise ValueError(
+                f"cannot crop {-max_length} tokens from layer {index}'s {length}-token cache"
+            )
+        keeps[index] = keep
+    return keeps
+
+
 class PagedLatentCache:
     """Latent rows of ``num_layers`` layers for a batch of ``batch_size`` sequences.
 
@@ -322,15 +336,7 @@ class PagedLatentCache:
         ``layer``: only that layer (all layers by default).
         """
         layers = range(self.num_layers) if layer is None else [layer]
-        keeps = {}
-        for index in layers:  # every layer checked before any is cropped
-            length = self.get_seq_length(index)
-            keep = length + max_length if max_length < 0 else min(length, max_length)
-            if keep < 0:
-                raise ValueError(
-                    f"cannot crop {-max_length} tokens from layer {index}'s {length}-token cache"
-                )
-            keeps[index] = keep
+        keeps = cropped_lengths({index: self.get_seq_length(index) for index in layers}, max_length)
         for index, keep in keeps.items():
             self._lengths[index] = keep
             self.seqlens[index].fill_(keep)
