@@ -107,8 +107,9 @@ def export_prefill_step(
 ) -> torch.export.ExportedProgram:
     """Export the prompt pass of ``model``: ``PrefillStep(model)``, ``(input_ids [B, S],
     attention_mask [B, S], position_ids [B, S]) -> (logits, present)`` with dynamic ``B`` and
-    ``S`` in ``[2, max_seq_len]``. Prefill keeps the un-absorbed attention (the cost rule in
-    ``fx_passes/absorb.py``); ``present`` is the cache the decode program takes as ``past``."""
+    ``S`` in ``[2, max_seq_len]``. The prompt pass keeps the model's own attention (standard
+    ops, which every export target takes; ``backend="mla"`` computes it with ``mla::prefill``);
+    ``present`` is the cache the decode program takes as ``past``."""
     _check_step_args(batch_size, seq_len, "seq_len", 1)
     if max_seq_len is None:
         max_seq_len = int(model.config.max_position_embeddings)

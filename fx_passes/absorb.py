@@ -14,19 +14,23 @@ Cost rule (prefill vs decode): per query token the absorbed form costs ``2 H T (
 over the cache, the original ``2 H T (P + R + V)`` plus a one-off ``2 T L H (P + V)`` expansion
 shared by all S query tokens. Decode (small S) is dominated by the expansion and by reading
 ``H (P + V)`` values per cached token instead of ``L + R``: the absorbed form wins by an order of
-magnitude. Prefill amortises the expansion and its matmuls are dense, so the original stays. The
-rule: rewrite when ``S <= max_q_len`` (default 8, the multi-token-prediction range our decode
-kernel serves); sites with a longer or symbolic S are left as they are, reported with the reason.
+magnitude. Prefill amortises the expansion and its attention is one dense fused kernel, so the
+un-absorbed form stays, computed by ``mla::prefill`` a chunk of keys at a time over the latent
+(``chunked_mla_prefill``): the original expanded every cached token at once. The rule: absorb when
+``S <= max_q_len`` (default 8, the multi-token-prediction range our decode kernel serves); longer
+or symbolic S is prefill (``RewriteOptions(prefill="original")`` leaves it as written).
 
-Observability: ``torch._dynamo.utils.counters["mla"]`` counts ``absorbed_sites`` (rewritten),
-``kept_sites`` (left un-absorbed by the cost rule: prefill, by design) and ``skipped_sites`` (an MLA
-site the rewrite cannot take safely, e.g. one whose inputs are modified in place: each is worth a
-look); the ``fx_passes`` logger (standard ``logging``, silent by default) reports each site found,
-rewritten, kept or skipped with the reason at INFO; ``absorb_mla`` returns an ``AbsorbReport``.
+Observability: ``torch._dynamo.utils.counters["mla"]`` counts ``absorbed_sites`` (decode),
+``prefill_sites`` (``mla::prefill``), ``kept_sites`` (prefill left as written) and
+``skipped_sites`` (an MLA site the rewrite cannot take safely, e.g. one whose inputs are modified
+in place: each is worth a look); the ``fx_passes`` logger (standard ``logging``, silent by
+default) reports each site found, rewritten, kept or skipped with the reason at INFO;
+``absorb_mla`` returns an ``AbsorbReport``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -43,6 +47,34 @@ from .mla_pattern import MLASite, NotMLA, SkipSite, attention_candidates, match_
 log = logging.getLogger("mla_compile.fx_passes")
 
 DEFAULT_MAX_Q_LEN = 8
+PREFILL_FORMS = ("chunked", "original")
+
+
+@dataclass(frozen=True)
+class RewriteOptions:
+    """What ``absorb_mla`` (and the backends made by ``fx_passes.backend.mla_backend``) do.
+
+    max_q_len: sites with at most this many query tokens are decode: absorbed into
+        ``mla_decode``.
+    prefill: longer (or symbolic) query lengths: ``"chunked"`` computes them with
+        ``mla::prefill``, the original un-absorbed form a chunk of keys at a time over the latent
+        cache (working memory set by the chunk, not the context); ``"original"`` leaves them as
+        the model wrote them (expanding every cached token at once).
+    prefill_chunk_tokens: keys per chunk of ``mla::prefill``; 0 lets ``plan_prefill`` size the
+        chunk from its memory budget.
+    """
+
+    max_q_len: int = DEFAULT_MAX_Q_LEN
+    prefill: str = "chunked"
+    prefill_chunk_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefill not in PREFILL_FORMS:
+            raise ValueError(f"prefill must be one of {PREFILL_FORMS}, got {self.prefill!r}")
+        for name in ("max_q_len", "prefill_chunk_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
 
 
 def absorbed_mla_attention(
@@ -149,13 +181,113 @@ def _absorbed(
     return torch.einsum("bshl,hvl->bhsv", out_lat, w_uv)
 
 
+def chunked_mla_prefill(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    k_rot: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+    sink: torch.Tensor | None = None,
+    chunk_tokens: int = 0,
+) -> torch.Tensor:
+    """The drop-in replacement of a prefill site: ``mla::prefill`` over the latent, the keys and
+    values up-projected a chunk at a time (arguments as ``absorbed_mla_attention``; the mask
+    ``[B|1, H|1, S|1, T]``). Returns ``[B, H, S, V]``."""
+    kv_c = latent[:, 0] if latent.dim() == 4 else latent  # [B, T, L]
+    k_pe = k_rot[:, 0]  # [B, T, R]
+    batch, cache_len = kv_c.shape[:2]
+    cache_seqlens = torch.full((batch,), cache_len, dtype=torch.int32, device=query.device)
+    return _prefill(
+        query,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        None,
+        kv_b_weight,
+        attn_mask,
+        softmax_scale,
+        nope_dim,
+        sink,
+        chunk_tokens,
+    )
+
+
+def chunked_mla_prefill_paged(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+    sink: torch.Tensor | None = None,
+    chunk_tokens: int = 0,
+) -> torch.Tensor:
+    """The same over a paged latent cache, read in place a chunk at a time (arguments as
+    ``absorbed_mla_attention_paged``)."""
+    kv_lora_rank = kv_b_weight.shape[-1]
+    return _prefill(
+        query,
+        pool[..., :kv_lora_rank],
+        pool[..., kv_lora_rank:],
+        cache_seqlens,
+        block_table,
+        kv_b_weight,
+        attn_mask,
+        softmax_scale,
+        nope_dim,
+        sink,
+        chunk_tokens,
+    )
+
+
+def _prefill(
+    query: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    sink: torch.Tensor | None,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    if attn_mask is not None:
+        while attn_mask.dim() < 4:  # broadcast leading dimensions, as the attention did
+            attn_mask = attn_mask.unsqueeze(0)
+    out, lse = torch.ops.mla.prefill(
+        query,
+        kv_c,
+        k_pe,
+        cache_seqlens,
+        block_table,
+        kv_b_weight,
+        attn_mask,
+        softmax_scale,
+        nope_dim,
+        chunk_tokens,
+    )
+    if sink is not None:  # as in _absorbed: the tokens keep sigmoid(lse - sink) of the weight
+        kept = torch.sigmoid(lse - sink[..., 0].to(lse.dtype)).unsqueeze(-1)  # [B, H, S, 1]
+        out = (out.to(lse.dtype) * kept).to(out.dtype)
+    return out
+
+
 @dataclass
 class SiteReport:
     """What ``absorb_mla`` did at one MLA site."""
 
     node: str
-    # "rewritten"; "kept" (un-absorbed by the cost rule: prefill); "skipped" (not safe to take);
-    # or "latent-cache" (a cache update now storing latents)
+    # "rewritten" (absorbed decode); "prefill" (chunked prefill over the latent, mla::prefill);
+    # "kept" (the original form, by RewriteOptions(prefill="original")); "skipped" (not safe to
+    # take); or "latent-cache" (a cache update now storing latents)
     status: str
     reason: str  # why it was kept or skipped, or the shapes it was rewritten with
 
@@ -179,8 +311,13 @@ class AbsorbReport:
         return sum(s.status == "latent-cache" for s in self.sites)
 
     @property
+    def prefill(self) -> list[SiteReport]:
+        """Prefill sites now computed chunk by chunk over the latent (``mla::prefill``)."""
+        return [s for s in self.sites if s.status == "prefill"]
+
+    @property
     def kept(self) -> list[SiteReport]:
-        """Sites left un-absorbed by the cost rule (prefill query lengths)."""
+        """Prefill sites left in their original form (``RewriteOptions(prefill="original")``)."""
         return [s for s in self.sites if s.status == "kept"]
 
     @property
@@ -191,6 +328,8 @@ class AbsorbReport:
     def __str__(self) -> str:
         attention = [s for s in self.sites if s.status != "latent-cache"]
         lines = [f"absorb_mla: {self.rewritten} of {len(attention)} MLA sites rewritten"]
+        if self.prefill:
+            lines[0] += f", {len(self.prefill)} prefill sites chunked over the latent"
         if self.latent_cache_updates:
             lines[0] += f", {self.latent_cache_updates} cache updates store latents"
         lines += [f"  {s.status} {s.node}: {s.reason}" for s in self.sites]
@@ -198,19 +337,25 @@ class AbsorbReport:
 
 
 def absorb_mla(
-    gm: GraphModule | torch.export.ExportedProgram, *, max_q_len: int = DEFAULT_MAX_Q_LEN
+    gm: GraphModule | torch.export.ExportedProgram,
+    *,
+    max_q_len: int | None = None,
+    options: RewriteOptions | None = None,
 ) -> AbsorbReport:
-    """Rewrite every MLA attention site of ``gm`` into the absorbed form.
+    """Rewrite every MLA attention site of ``gm``: decode into the absorbed form, prefill into
+    ``mla::prefill`` (``options``, a ``RewriteOptions``; ``max_q_len`` overrides its field).
 
     ``gm``: a ``GraphModule`` (a dynamo graph with torch-level calls, or an exported program's
     ``.module()`` with ATen calls), rewritten in place; or an ``ExportedProgram``, left as it is:
     its module is rewritten and exported again with the program's example inputs and dynamic
     dimensions, and the new, validated program is ``report.program``.
-    Sites whose query length is above ``max_q_len`` or symbolic (prefill) are kept. Returns an
-    ``AbsorbReport``; see the module docstring for counters and logging.
+    Returns an ``AbsorbReport``; see the module docstring for counters and logging.
     """
+    options = options or RewriteOptions()
+    if max_q_len is not None:
+        options = dataclasses.replace(options, max_q_len=max_q_len)
     if isinstance(gm, torch.export.ExportedProgram):
-        return _absorb_program(gm, max_q_len)
+        return _absorb_program(gm, options)
     if not isinstance(gm, GraphModule):
         raise TypeError(
             f"absorb_mla takes a torch.fx.GraphModule or a torch.export.ExportedProgram, got "
@@ -231,27 +376,34 @@ def absorb_mla(
             _skip(report, candidate.name, str(why))
             continue
         log.info("fx_passes: found MLA site, %s", site.describe())
-        if not isinstance(site.q_len, int):
-            _keep(report, site.attention.name, f"symbolic query length {site.q_len} (prefill)")
+        if isinstance(site.q_len, int) and site.q_len <= options.max_q_len:
+            read = _rewrite(gm, site)
+            counters["mla"]["absorbed_sites"] += 1
+            counters["mla"][f"{read}_sites"] += 1
+            description = f"{site.describe()} cache={read}"
+            report.sites.append(SiteReport(site.attention.name, "rewritten", description))
+            log.info("fx_passes: rewrote %s", description)
             continue
-        if site.q_len > max_q_len:
-            _keep(
-                report, site.attention.name, f"prefill (S_q={site.q_len} > max_q_len={max_q_len})"
-            )
+        length = (
+            f"symbolic query length {site.q_len}"
+            if not isinstance(site.q_len, int)
+            else f"S_q={site.q_len} > max_q_len={options.max_q_len}"
+        )
+        if options.prefill == "original":
+            _keep(report, site.attention.name, f"prefill ({length})")
             continue
-        read = _rewrite(gm, site)
-        counters["mla"]["absorbed_sites"] += 1
-        counters["mla"][f"{read}_sites"] += 1
-        description = f"{site.describe()} cache={read}"
-        report.sites.append(SiteReport(site.attention.name, "rewritten", description))
-        log.info("fx_passes: rewrote %s", description)
-    if report.rewritten or report.latent_cache_updates:
+        read = _rewrite(gm, site, prefill_chunk_tokens=options.prefill_chunk_tokens)
+        counters["mla"]["prefill_sites"] += 1
+        description = f"prefill ({length}), {site.describe()} cache={read}: mla::prefill"
+        report.sites.append(SiteReport(site.attention.name, "prefill", description))
+        log.info("fx_passes: chunked %s", description)
+    if report.rewritten or report.prefill or report.latent_cache_updates:
         gm.graph.lint()
         gm.recompile()
     return report
 
 
-def _absorb_program(program: torch.export.ExportedProgram, max_q_len: int) -> AbsorbReport:
+def _absorb_program(program: torch.export.ExportedProgram, options: RewriteOptions) -> AbsorbReport:
     """``absorb_mla`` on an exported program: rewrite its module, then export that again."""
     if program.example_inputs is None:
         raise ValueError(
@@ -265,9 +417,9 @@ def _absorb_program(program: torch.export.ExportedProgram, max_q_len: int) -> Ab
             f"inputs only; this one has keyword inputs {sorted(kwargs)}"
         )
     module = program.module()
-    report = absorb_mla(module, max_q_len=max_q_len)
+    report = absorb_mla(module, options=options)
     report.program = program
-    if report.rewritten or report.latent_cache_updates:
+    if report.rewritten or report.prefill or report.latent_cache_updates:
         report.program = torch.export.export(
             module, args, dynamic_shapes=_dynamic_shapes_of(program)
         )
@@ -317,7 +469,7 @@ def _dynamic_shapes_of(program: torch.export.ExportedProgram):
 
 def _keep(report: AbsorbReport, name: str, reason: str) -> None:
     counters["mla"]["kept_sites"] += 1
-    report.sites.append(SiteReport(name, "kept", f"{reason}: un-absorbed form kept (cost rule)"))
+    report.sites.append(SiteReport(name, "kept", f"{reason}: original form kept"))
     log.info("fx_passes: kept MLA site '%s' un-absorbed: %s", name, reason)
 
 
@@ -327,19 +479,23 @@ def _skip(report: AbsorbReport, name: str, reason: str) -> None:
     log.info("fx_passes: skipped MLA site '%s': %s", name, reason)
 
 
-def _rewrite(gm: GraphModule, site: MLASite) -> str:
-    """Replace the site; returns how the latent is read ("paged" or "dense")."""
+def _rewrite(gm: GraphModule, site: MLASite, prefill_chunk_tokens: int | None = None) -> str:
+    """Replace the site: absorbed decode, or ``mla::prefill`` when ``prefill_chunk_tokens`` is
+    given. Returns how the latent is read ("paged" or "dense")."""
     graph = gm.graph
     kwargs = dict(softmax_scale=site.softmax_scale, nope_dim=site.nope_dim, v_dim=site.v_dim)
     if site.sink is not None:
         kwargs["sink"] = site.sink
+    prefill = prefill_chunk_tokens is not None
+    if prefill:
+        kwargs["chunk_tokens"] = prefill_chunk_tokens
     paged = paged_source(site.latent, site.k_rot, site.weight)
     if paged is not None:
         pool, block_table, cache_seqlens = paged
-        function = absorbed_mla_attention_paged
+        function = chunked_mla_prefill_paged if prefill else absorbed_mla_attention_paged
         args = (site.query, pool, block_table, cache_seqlens, site.weight, site.attn_mask)
     else:
-        function = absorbed_mla_attention
+        function = chunked_mla_prefill if prefill else absorbed_mla_attention
         args = (site.query, site.latent, site.k_rot, site.weight, site.attn_mask)
     with graph.inserting_before(site.attention):
         new = graph.call_function(function, args=args, kwargs=kwargs)

@@ -6,6 +6,8 @@ entry point (see pyproject.toml), so ``torch.compile(model, backend="mla")`` wor
   ``options=`` given to ``torch.compile`` (``"reduce-overhead"`` = CUDA graphs, as with Inductor).
 * ``mla_eager``: ``absorb_mla`` only; the rewritten graph runs op by op (debugging, CPU tests,
   quick checks of what the rewrite did without Inductor's compile time).
+* ``mla_backend(RewriteOptions(...))``: either of the two with rewrite options other than the
+  defaults, e.g. ``torch.compile(model, backend=mla_backend(RewriteOptions(prefill="original")))``.
 
 With CUDA graphs on, ``mla`` refuses a graph that allocates an ``MLACache``'s storage (its first
 update traced inside the compiled call): the storage would be an output of a CUDA graph, which
@@ -20,7 +22,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .absorb import absorb_mla
+from .absorb import RewriteOptions, absorb_mla
 
 _ALLOCATED_IN_GRAPH = (
     "backend='mla' with CUDA graphs: this graph allocates the MLACache(static=True) storage (its "
@@ -63,12 +65,13 @@ def mla(
     *,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    rewrite: RewriteOptions | None = None,
 ) -> Callable:
     """Rewrite MLA sites, then compile with Inductor (``mode``/``options`` as Inductor's)."""
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    absorb_mla(gm)
+    absorb_mla(gm, options=rewrite)
     config: dict[str, Any] = {}
     if mode is not None and mode != "default":
         config.update(list_mode_options(mode))
@@ -85,12 +88,27 @@ def mla_eager(
     *,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    rewrite: RewriteOptions | None = None,
 ) -> Callable:
     """Rewrite MLA sites and run the graph as it is (no Inductor)."""
     if mode not in (None, "default") or options:
         raise ValueError("backend 'mla_eager' takes no mode or options (use backend='mla')")
-    absorb_mla(gm)
+    absorb_mla(gm, options=rewrite)
     return gm.forward
+
+
+def mla_backend(rewrite: RewriteOptions, *, inductor: bool = True) -> Callable:
+    """The ``mla`` backend (``inductor=False``: ``mla_eager``) rewriting with ``rewrite``; pass
+    it as ``torch.compile(..., backend=mla_backend(RewriteOptions(...)))``."""
+    if not isinstance(rewrite, RewriteOptions):
+        raise TypeError(f"rewrite must be a RewriteOptions, got {type(rewrite).__name__}")
+    compiler = mla if inductor else mla_eager
+
+    def backend(gm: GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Callable:
+        return compiler(gm, example_inputs, rewrite=rewrite, **kwargs)
+
+    backend.__name__ = compiler.__name__
+    return backend
 
 
 def _register_without_entry_point() -> None:

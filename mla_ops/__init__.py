@@ -1,7 +1,8 @@
 """mla_ops: Multi-head Latent Attention decode and combine as ``torch.library`` custom ops.
 
 Importing this package registers ``torch.ops.mla.decode``, ``torch.ops.mla.combine`` and
-``torch.ops.mla.attention`` (the two in one, which ``mla_decode`` calls), plus the paged-cache ops
+``torch.ops.mla.attention`` (the two in one, which ``mla_decode`` calls), ``torch.ops.mla.prefill``
+(long queries over the latent cache in bounded memory), plus the paged-cache ops
 (Triton kernels on CUDA, a PyTorch implementation elsewhere, fake functions for compile/export).
 """
 
@@ -18,6 +19,7 @@ from .ops import (
     split_kv_cache,
 )
 from .planner import DecodeOptions, DecodePlan, plan_decode
+from .prefill import PrefillPlan, plan_prefill
 from .splits import SplitPlan, plan_splits
 
 __all__ = [
@@ -25,10 +27,12 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "DecodeOptions",
     "DecodePlan",
+    "PrefillPlan",
     "SplitPlan",
     "mla_combine",
     "mla_decode",
     "plan_decode",
+    "plan_prefill",
     "plan_splits",
     "quantize_kv_fp8",
     "split_kv_cache",

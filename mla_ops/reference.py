@@ -18,22 +18,32 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def gather_rows(
-    cache: torch.Tensor, cache_seqlens: torch.Tensor, block_table: torch.Tensor | None
+    cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    start: int = 0,
+    end: int | None = None,
 ) -> torch.Tensor:
-    """The cache rows of every sequence in token order: ``[B, capacity, D]``.
+    """The cache rows of every sequence in token order: ``[B, end - start, D]`` for the token
+    positions ``start .. end - 1`` (default: the whole capacity).
 
     cache: ``[num_pages, page_size, D]`` with ``block_table [B, max_pages]``, else ``[B, T, D]``.
     Table entries past a sequence's last page are never used, so they are clamped, not trusted.
     """
     if block_table is None:
-        return cache
+        return cache[:, start:end]
     num_pages, page_size, dim = cache.shape
+    end = block_table.shape[1] * page_size if end is None else end
+    first, last = start // page_size, -(-end // page_size)  # the pages holding the range
     pages_used = (cache_seqlens.long() + page_size - 1) // page_size  # [B]
-    page_pos = torch.arange(block_table.shape[1], device=block_table.device)
-    in_use = page_pos[None, :] < pages_used[:, None]  # [B, max_pages]
-    pages = torch.where(in_use, block_table.long(), 0).clamp(0, max(num_pages - 1, 0))
+    page_pos = torch.arange(first, last, device=block_table.device)
+    in_use = page_pos[None, :] < pages_used[:, None]  # [B, last - first]
+    pages = torch.where(in_use, block_table[:, first:last].long(), 0)
+    pages = pages.clamp(0, max(num_pages - 1, 0))
     batch = block_table.shape[0]
-    return cache[pages].reshape(batch, block_table.shape[1] * page_size, dim)
+    rows = cache[pages].reshape(batch, (last - first) * page_size, dim)
+    offset = first * page_size
+    return rows[:, start - offset : end - offset]
 
 
 # A float mask value at or below this hides its key. Hugging Face fills hidden positions with the

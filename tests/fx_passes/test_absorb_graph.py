@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from mla_compile import fx_passes
-from mla_compile.fx_passes import absorb_mla
+from mla_compile.fx_passes import RewriteOptions, absorb_mla, mla_backend
 
 B, H, S, T, L, R, P, V, D = 2, 3, 1, 9, 32, 16, 16, 8, 40
 
@@ -166,20 +166,40 @@ def test_bias_on_kv_b_proj_is_skipped() -> None:
     assert report.rewritten == 0 and "bias" in report.skipped[0].reason
 
 
-def test_prefill_is_kept() -> None:
+@pytest.mark.parametrize("chunk_tokens", [0, 16])
+def test_prefill_is_chunked_over_the_latent(chunk_tokens: int) -> None:
+    """A prefill-length site becomes ``mla::prefill`` (the un-absorbed form a chunk of keys at a
+    time) and stays exact; with ``prefill="original"`` it is left as written."""
     model = NaiveMLA().double()
     args = inputs(q_len=T)
     captured = capture(model, args)
     counters.clear()
-    report = absorb_mla(captured.gm, max_q_len=8)
-    assert report.rewritten == 0 and not report.skipped
+    report = absorb_mla(captured.gm, options=RewriteOptions(prefill_chunk_tokens=chunk_tokens))
+    assert report.rewritten == 0 and not report.skipped and not report.kept
+    assert "prefill (S_q=9 > max_q_len=8)" in report.prefill[0].reason
+    assert counters["mla"]["prefill_sites"] == 1 and counters["mla"]["kept_sites"] == 0
+    targets = " ".join(node_targets(captured.gm))
+    assert "chunked_mla_prefill" in targets and "scaled_dot_product" not in targets
+    torch.testing.assert_close(captured.run()[0], model(*args), rtol=1e-10, atol=1e-12)
+
+    captured = capture(model, args)
+    report = absorb_mla(captured.gm, options=RewriteOptions(prefill="original"))
+    assert report.rewritten == 0 and not report.prefill and not report.skipped
     assert "prefill (S_q=9 > max_q_len=8)" in report.kept[0].reason
-    assert counters["mla"]["kept_sites"] == 1 and counters["mla"]["skipped_sites"] == 0
-    assert "absorbed_mla_attention" not in " ".join(node_targets(captured.gm))
-    # and with a larger limit the same graph is rewritten and still exact (S_q > 1, masked)
+    assert "chunked_mla_prefill" not in " ".join(node_targets(captured.gm))
+    # and with a larger limit the same graph is absorbed and still exact (S_q > 1, masked)
     captured = capture(model, args)
     assert absorb_mla(captured.gm, max_q_len=16).rewritten == 1
     torch.testing.assert_close(captured.run()[0], model(*args), rtol=1e-10, atol=1e-12)
+
+
+def test_rewrite_options_refuse_bad_values() -> None:
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        RewriteOptions(prefill="absorbed")
+    with pytest.raises(ValueError, match="max_q_len must be an int >= 0"):
+        RewriteOptions(max_q_len=-1)
+    with pytest.raises(TypeError, match="rewrite must be a RewriteOptions"):
+        mla_backend({"prefill": "original"})
 
 
 def test_plain_attention_is_not_touched() -> None:
