@@ -8,6 +8,9 @@ ways, on one GPU (or, at toy sizes, on CPU to check the script).
 * ``mla_line``: the one-line change, ``model.forward = torch.compile(model.forward,
   backend="mla", mode="reduce-overhead")`` (prompt pass compiled too) with ``MLACache``.
 
+``--prefill-chunk N`` passes ``generate(prefill_chunk_size=N)`` to every variant (Hugging Face's
+chunked prompt pass: each piece of N tokens is one forward call).
+
 Per case (batch x prompt tokens): decode tokens/s from two ``generate()`` lengths, so that the
 prompt pass cancels (``B x (n2 - n1) / (t2 - t1)``); time to first token (a 1-token
 ``generate()``); peak memory of the whole ``n2`` call above what was allocated before it. Each
@@ -66,8 +69,10 @@ def sync(device: str) -> None:
 class Variant:
     """One way of running ``generate()``: its extra arguments per call, a fresh cache each."""
 
-    def __init__(self, name: str, model, batch: int, capacity: int, dtype, device) -> None:
-        self.name, self.model = name, model
+    def __init__(
+        self, name: str, model, batch: int, capacity: int, dtype, device, prefill_chunk=None
+    ) -> None:
+        self.name, self.model, self.prefill_chunk = name, model, prefill_chunk
         self.cache = None
         if name.startswith("mla"):
             self.cache = MLACache(
@@ -78,13 +83,14 @@ class Variant:
             model.forward = torch.compile(model.forward, backend="mla", mode="reduce-overhead")
 
     def kwargs(self) -> dict:
+        extra = {} if self.prefill_chunk is None else dict(prefill_chunk_size=self.prefill_chunk)
         if self.name == "hf_eager":
-            return {}
+            return extra
         if self.name == "hf_static":
             config = transformers.CompileConfig(mode="reduce-overhead")
-            return dict(cache_implementation="static", compile_config=config)
+            return dict(cache_implementation="static", compile_config=config, **extra)
         self.cache.reset()  # the storage stays: no new graph
-        extra = cache_kwargs(self.model, self.cache)
+        extra.update(cache_kwargs(self.model, self.cache))
         if self.name == "mla_config":
             extra["compile_config"] = transformers.CompileConfig(
                 backend="mla", mode="reduce-overhead"
@@ -112,7 +118,7 @@ def measure(model, name: str, batch: int, prompt: int, args) -> dict:
     torch._dynamo.reset()
     n1, n2 = args.new
     capacity = prompt + n2
-    variant = Variant(name, model, batch, capacity, args.dtype, args.device)
+    variant = Variant(name, model, batch, capacity, args.dtype, args.device, args.prefill_chunk)
     gen = torch.Generator().manual_seed(batch * 7919 + prompt)
     ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=gen).to(args.device)
     mask = torch.ones_like(ids)
@@ -152,6 +158,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--toy", action="store_true", help="a toy model of the same layout")
+    p.add_argument(
+        "--prefill-chunk", type=int, default=None,
+        help="generate(prefill_chunk_size=N) for every variant: the prompt in pieces of N tokens",
+    )  # fmt: skip
     p.add_argument("--out", default=".")
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype)
@@ -177,6 +187,7 @@ def main() -> None:
         gpu=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
         dtype=str(args.dtype), toy=args.toy, new_tokens=args.new,
+        prefill_chunk_size=args.prefill_chunk,
     )  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "generate.json"), "w") as f:

@@ -65,10 +65,13 @@ def original(q, pool, block_table, lengths, weight, mask, scale):
     )
 
 
-def chunked(chunk_tokens):
+def chunked(chunk_tokens: int, kernel: str = "", need_lse: bool = False):
+    """``mla::prefill`` as the rewrite calls it (no LSE wanted), or with a kernel forced."""
+
     def run(q, pool, block_table, lengths, weight, mask, scale):
         out, _ = torch.ops.mla.prefill(q, pool[..., :L], pool[..., L:], lengths, block_table,
-                                       weight, mask, scale, P, chunk_tokens)  # fmt: skip
+                                       weight, mask, scale, P, chunk_tokens, need_lse,
+                                       kernel)  # fmt: skip
         return out
 
     return run
@@ -107,6 +110,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help="B x S x T")
     p.add_argument("--chunks", default="", help="fixed chunk sizes to time beside auto")
+    p.add_argument("--kernels", default="", help="mla::prefill kernels to force beside auto")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", default=".")
     args = p.parse_args()
@@ -117,6 +121,7 @@ def main() -> None:
         inputs = make_case(batch, q_len, cache_len, "cuda", dtype)
         variants = {"original": original, "chunked_auto": chunked(0)}
         variants.update({f"chunked_{c}": chunked(int(c)) for c in args.chunks.split(",") if c})
+        variants.update({f"chunked_{k}": chunked(0, k) for k in args.kernels.split(",") if k})
         if q_len <= 256:
             variants["absorbed"] = absorbed
         reference = None
@@ -131,7 +136,9 @@ def main() -> None:
                 )
             if name.startswith("chunked") and "error" not in result:
                 plan = prefill_op.LAST_PLAN["prefill"]
-                result.update(chunk_tokens=plan.chunk_tokens, num_chunks=plan.num_chunks)
+                result.update(
+                    chunk_tokens=plan.chunk_tokens, num_chunks=plan.num_chunks, kernel=plan.kernel
+                )
             rows.append(dict(case=case, variant=name, **result))
             del out
         del inputs
@@ -144,15 +151,16 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "prefill.json"), "w") as f:
         json.dump(dict(facts=facts, rows=rows), f, indent=1)
-    print(f"{'case':>16} {'variant':>14} {'ms':>9} {'peak MiB':>9} {'chunk':>6} {'rel diff':>9}")
+    print(f"{'case':>14} {'variant':>17} {'ms':>8} {'peak MiB':>8} {'chunk':>6} {'kernel':>9} "
+          f"{'rel diff':>8}")  # fmt: skip
     for row in rows:
         if "error" in row:
-            print(f"{row['case']:>16} {row['variant']:>14} {row['error']}")
+            print(f"{row['case']:>14} {row['variant']:>17} {row['error']}")
             continue
         print(
-            f"{row['case']:>16} {row['variant']:>14} {row['ms']:9.3f} "
-            f"{row['peak_bytes'] / 2**20:9.0f} {row.get('chunk_tokens', ''):>6} "
-            f"{row.get('max_rel_diff', float('nan')):9.2e}"
+            f"{row['case']:>14} {row['variant']:>17} {row['ms']:8.3f} "
+            f"{row['peak_bytes'] / 2**20:8.0f} {row.get('chunk_tokens', ''):>6} "
+            f"{row.get('kernel', ''):>9} {row.get('max_rel_diff', float('nan')):8.2e}"
         )
 
 

@@ -273,6 +273,7 @@ def _prefill(
         softmax_scale,
         nope_dim,
         chunk_tokens,
+        sink is not None,  # the LSE is needed only to weigh a sink
     )
     if sink is not None:  # as in _absorbed: the tokens keep sigmoid(lse - sink) of the weight
         kept = torch.sigmoid(lse - sink[..., 0].to(lse.dtype)).unsqueeze(-1)  # [B, H, S, 1]

@@ -127,15 +127,71 @@ def context_parallel_decode(
         q, kv_cache, lengths, block_table=block_table, head_dim_v=head_dim_v,
         softmax_scale=softmax_scale, causal=False, attn_mask=attn_mask,
     )  # fmt: skip
-    # Every rank's state: [world * B, S_q, H, L] and [world * B, S_q, H], gathered on dim 0, in
-    # the accumulation dtype (float32, or float64 for float64).
-    acc = accumulation_dtype(q.dtype)
+    return _merge_across(out, lse, group, world, q.dtype)
+
+
+def _merge_across(
+    out: torch.Tensor, lse: torch.Tensor, group, world: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's attention state ``out [..., D]``, ``lse [...]`` gathered (on dim 0, in the
+    accumulation dtype: float32, or float64 for float64) and merged by LSE."""
+    acc = accumulation_dtype(dtype)
     group = group or dist.group.WORLD
-    outs = _all_gather(out.to(acc).contiguous(), 0, group)
+    outs = _all_gather(out.to(acc).contiguous(), 0, group)  # [world * B, ..., D]
     lses = _all_gather(lse.to(acc).contiguous(), 0, group)
-    outs = outs.view(world, *out.shape).permute(1, 2, 3, 0, 4)  # [B, S_q, H, world, L]
-    lses = lses.view(world, *lse.shape).permute(1, 2, 3, 0)  # [B, S_q, H, world]
-    return mla_combine(outs.contiguous(), lses.contiguous(), q.dtype)
+    dims = out.dim()
+    outs = outs.view(world, *out.shape).permute(*range(1, dims), 0, dims)  # [B, ..., world, D]
+    lses = lses.view(world, *lse.shape).permute(*range(1, dims), 0)  # [B, ..., world]
+    return mla_combine(outs.contiguous(), lses.contiguous(), dtype)
+
+
+def context_parallel_prefill(
+    q: torch.Tensor,
+    kv_c: torch.Tensor,
+    k_pe: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    block_table: torch.Tensor | None = None,
+    attn_mask: torch.Tensor | None = None,
+    softmax_scale: float,
+    nope_dim: int,
+    interleave: int = 1,
+    chunk_tokens: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mla::prefill`` (the un-absorbed attention of a long query) over a cache sharded by token
+    across ``group``: a prompt pass or a second turn over a cached prefix.
+
+    Args:
+        q: ``[B, H, S, P+R]``, the same on every rank.
+        kv_c, k_pe, block_table: this rank's slice (local positions as ``local_position`` says),
+            in the forms ``mla::prefill`` takes.
+        cache_seqlens: ``[B]`` int32, the *global* token counts.
+        attn_mask: ``[B|1, H|1, S|1, T_m]`` over *global* positions, as the model made it; each
+            rank reads the columns of the tokens it holds.
+
+    Returns:
+        ``out [B, H, S, V]`` in q's dtype and ``lse [B, H, S]``, over all the group's tokens, on
+        every rank.
+    """
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    _check_group(world, rank, interleave)
+    lengths = local_lengths(cache_seqlens, rank, world, interleave)
+    if attn_mask is not None:
+        capacity = (
+            block_table.shape[1] * kv_c.shape[1] if block_table is not None else kv_c.shape[1]
+        )
+        local = torch.arange(capacity, device=q.device)
+        source = global_position(local, rank, world, interleave)  # [T_local] global positions
+        inside = source < attn_mask.shape[-1]
+        columns = attn_mask[..., source.clamp(max=attn_mask.shape[-1] - 1)]
+        hidden = False if attn_mask.dtype == torch.bool else float("-inf")
+        attn_mask = torch.where(inside, columns, hidden)
+    out, lse = torch.ops.mla.prefill(q, kv_c, k_pe, lengths, block_table, kv_b_weight,
+                                     attn_mask, softmax_scale, nope_dim, chunk_tokens)  # fmt: skip
+    return _merge_across(out, lse, group, world, q.dtype)
 
 
 def shard_rows(

@@ -56,6 +56,9 @@ DEFAULT_CHUNK_BYTES = 1 << 30
 CHUNK_GRANULE = 16
 # What the memory-efficient CUDA kernel takes: these dtypes, head dims a multiple of 8.
 _EFFICIENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Per-chunk attention kernels: public SDPA (one chunk, no LSE), cuDNN and memory-efficient
+# attention with their LSE (CUDA), flash attention with its LSE (CPU), and plain matmuls.
+KERNELS = ("sdpa", "cudnn", "efficient", "flash_cpu", "math")
 
 # The latest call's plan, under "prefill" (diagnostics, as runtime.LAST_LAUNCH for decode).
 LAST_PLAN: dict[str, PrefillPlan] = {}
@@ -68,7 +71,7 @@ class PrefillPlan:
     chunk_tokens: int  # keys per chunk
     num_chunks: int  # chunks over the keys read
     keys_read: int  # the keys the chunks cover: the longest sequence, or the capacity
-    kernel: str  # "efficient" (CUDA), "flash_cpu" (CPU) or "math"
+    kernel: str  # one of KERNELS
     chunk_bytes: int  # working memory of one chunk: keys, values, bias (and scores for "math")
     reasons: tuple[tuple[str, str], ...]
 
@@ -99,39 +102,28 @@ def plan_prefill(
     page_size: int = 1,
     chunk_tokens: int = 0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    need_lse: bool = True,
+    kernel: str = "",
 ) -> PrefillPlan:
     """Plan one ``mla::prefill`` call from its shapes (no tensor values).
 
     ``keys_read``: the keys to cover (the longest sequence). ``chunk_tokens > 0`` fixes the chunk
     (rounded up to a whole number of pages and of ``CHUNK_GRANULE``); 0 takes the most keys whose
-    working memory fits ``chunk_bytes`` (at least one granule).
+    working memory fits ``chunk_bytes`` (at least one granule). ``kernel`` (one of ``KERNELS``)
+    overrides the choice where it can run; ``""`` is the planner's.
     """
+    if kernel not in ("", *KERNELS):
+        raise ValueError(f"kernel must be one of {KERNELS} or '' (the planner's), got {kernel!r}")
     reasons = []
-    if device_type == "cuda" and dtype in _EFFICIENT_DTYPES:
-        if (nope_dim + rope_dim) % 8 == 0 and v_dim % 8 == 0:
-            kernel = "efficient"
-            reasons.append(("kernel", "CUDA: PyTorch's memory-efficient attention with its LSE"))
-        else:
-            kernel = "math"
-            reasons.append(
-                (
-                    "kernel",
-                    f"head dims {nope_dim + rope_dim} and {v_dim} are not multiples of 8, "
-                    "which the memory-efficient kernel needs",
-                )
-            )
-    elif device_type == "cpu":
-        kernel = "flash_cpu"
-        reasons.append(("kernel", "CPU: PyTorch's flash attention kernel with its LSE"))
-    else:
-        kernel = "math"
-        why = "float64 is a testing dtype" if dtype == torch.float64 else f"on {device_type}"
-        reasons.append(("kernel", f"{why}: matmul-softmax-matmul over each chunk"))
-
+    # The fused CUDA kernels' head dims: multiples of 16 up to 256 (a 16 x 8 problem gave the
+    # cuDNN kernel a misaligned address on an H100).
+    fused = (nope_dim + rope_dim) % 16 == 0 and v_dim % 16 == 0 and nope_dim + rope_dim <= 256
+    on_cuda = device_type == "cuda" and dtype in _EFFICIENT_DTYPES
     itemsize = torch.empty((), dtype=dtype).element_size()
     expanded = heads * (nope_dim + v_dim) + heads * (nope_dim + rope_dim)  # [k_nope|v], keys
     per_key = batch * (expanded + q_len) * itemsize  # plus one bias column of the [B, S] rows
-    if kernel == "math":  # the scores and probabilities of the chunk, in the accumulation dtype
+    plain = device_type != "cpu" and not (on_cuda and fused)
+    if plain or kernel == "math":  # the scores and probabilities, in the accumulation dtype
         acc = reference.accumulation_dtype(dtype)
         per_key += 2 * batch * heads * q_len * torch.empty((), dtype=acc).element_size()
     unit = math.lcm(CHUNK_GRANULE, page_size)
@@ -150,6 +142,35 @@ def plan_prefill(
     if keys_read <= chunk:  # one chunk covers everything: no wider than needed
         chunk = max(unit, -(-keys_read // unit) * unit)
     num_chunks = -(-keys_read // chunk)
+
+    if kernel:
+        reasons.append(("kernel", "given"))
+    elif on_cuda and fused and num_chunks <= 1 and not need_lse:
+        kernel = "sdpa"
+        reasons.append(
+            (
+                "kernel",
+                "one chunk and no LSE wanted: scaled_dot_product_attention, whose kernel "
+                "PyTorch picks as for the original",
+            )
+        )
+    elif on_cuda and fused:
+        kernel = "cudnn"
+        reasons.append(("kernel", "CUDA: PyTorch's cuDNN attention, which returns its LSE"))
+    elif device_type == "cpu":
+        kernel = "flash_cpu"
+        reasons.append(("kernel", "CPU: PyTorch's flash attention kernel with its LSE"))
+    else:
+        kernel = "math"
+        why = (
+            "float64 is a testing dtype"
+            if dtype == torch.float64
+            else f"head dims {nope_dim + rope_dim} and {v_dim} (the fused CUDA kernels take "
+            "multiples of 16 up to 256)"
+            if on_cuda
+            else f"on {device_type}"
+        )
+        reasons.append(("kernel", f"{why}: matmul-softmax-matmul over each chunk"))
     return PrefillPlan(
         chunk_tokens=chunk,
         num_chunks=num_chunks,
@@ -271,6 +292,8 @@ def prefill(
     softmax_scale: float,
     nope_dim: int,
     chunk_tokens: int = 0,
+    need_lse: bool = True,
+    attention_kernel: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked un-absorbed MLA attention over the latent cache. See the module docstring.
 
@@ -283,9 +306,13 @@ def prefill(
         kv_b_weight: ``kv_b_proj.weight`` ``[H * (P+V), L]``.
         attn_mask: ``[B|1, H|1, S|1, T_m]`` over token positions, or None.
         chunk_tokens: keys per chunk; 0 lets ``plan_prefill`` choose.
+        need_lse: ``False`` allows a kernel that gives no LSE (``lse`` is then empty).
+        attention_kernel: one of ``KERNELS`` to override the planner's choice; ``""``: the
+            planner's.
 
     Returns:
-        ``out [B, H, S, V]`` in q's dtype and ``lse [B, H, S]``.
+        ``out [B, H, S, V]`` (contiguous) in q's dtype and ``lse [B, H, S]`` (``[0]`` when
+        ``need_lse`` is False).
     """
     v_dim, capacity = check_prefill_args(
         q,
@@ -315,11 +342,13 @@ def prefill(
         keys_read=keys_read,
         page_size=kv_c.shape[1] if block_table is not None else 1,
         chunk_tokens=chunk_tokens,
+        need_lse=need_lse,
+        kernel=attention_kernel,
     )
     plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("keys", keys_reason)))
     LAST_PLAN["prefill"] = plan
     log.debug("%s", plan.describe())
-    return _run(
+    out, lse = _run(
         plan,
         q,
         kv_c,
@@ -332,6 +361,7 @@ def prefill(
         nope_dim,
         v_dim,
     )
+    return out.contiguous(), lse if need_lse else lse.new_empty(0)
 
 
 @prefill.register_fake
@@ -346,6 +376,8 @@ def _prefill_fake(
     softmax_scale: float,
     nope_dim: int,
     chunk_tokens: int = 0,
+    need_lse: bool = True,
+    attention_kernel: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     v_dim, _ = check_prefill_args(
         q,
@@ -361,7 +393,8 @@ def _prefill_fake(
     )
     batch, heads, q_len, _ = q.shape
     out = q.new_empty((batch, heads, q_len, v_dim))
-    lse = q.new_empty((batch, heads, q_len), dtype=reference.accumulation_dtype(q.dtype))
+    acc = reference.accumulation_dtype(q.dtype)
+    lse = q.new_empty((batch, heads, q_len) if need_lse else (0,), dtype=acc)
     return out, lse
 
 
@@ -410,12 +443,13 @@ def _run(
         latent = latent.masked_fill(~stored[..., None], 0.0)  # [B, C, L]
         rope = rope.masked_fill(~stored[..., None], 0.0)  # [B, C, R]
         keys, values = _expand(latent, rope, kv_b_weight, heads, nope_dim)
-        bias = _chunk_bias(attn_mask, stored, start, end, q.dtype if plan.kernel != "math" else acc)
-        out_c, lse_c = _attend(plan.kernel, q, keys, values, bias, softmax_scale)
-        seen = torch.isfinite(bias).any(dim=-1)  # [B, H|1, S|1]: the row sees a key here
-        seen = seen.expand(batch, heads, q_len)
-        lse_c = torch.where(seen, lse_c.to(acc), float("-inf"))
+        visible, mask_values = _chunk_mask(attn_mask, stored, start, end)
+        out_c, lse_c = _attend(plan.kernel, q, keys, values, visible, mask_values, softmax_scale)
+        seen = visible.any(dim=-1).expand(batch, heads, q_len)  # the row sees a key here
         out_c = torch.where(seen[..., None], out_c, 0.0)
+        if lse_c is None:  # "sdpa": one chunk, no LSE wanted
+            return out_c, lse
+        lse_c = torch.where(seen, lse_c.to(acc), float("-inf"))
         if start == 0:
             out, lse = out_c.to(q.dtype), lse_c
             continue
@@ -442,36 +476,36 @@ def _expand(
     return keys, kv[..., nope_dim:].transpose(1, 2)
 
 
-def _chunk_bias(
-    attn_mask: torch.Tensor | None,
-    stored: torch.Tensor,
-    start: int,
-    end: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The additive bias of keys ``start .. end - 1``: ``[B, H|1, S|1, C]``, 0 or the mask's
-    value where visible, -inf where hidden. Its rows are allocated 16-aligned (the CUDA kernel's
-    requirement) and sliced to the chunk."""
+def _chunk_mask(
+    attn_mask: torch.Tensor | None, stored: torch.Tensor, start: int, end: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Which keys ``start .. end - 1`` each query row sees, ``[B, H|1, S|1, C]`` bool, and the
+    float mask's values over them (None for a bool mask or none)."""
     width = stored.shape[1]
     visible = stored[:, None, None, :]  # [B, 1, 1, C]
-    values = None
-    if attn_mask is not None:
-        taken = attn_mask[..., start:end]
-        if taken.shape[-1] < width:  # positions past the mask: hidden
-            pad = width - taken.shape[-1]
-            fill = False if taken.dtype == torch.bool else float("-inf")
-            taken = torch.nn.functional.pad(taken, (0, pad), value=fill)
-        if taken.dtype == torch.bool:
-            visible = visible & taken
-        else:
-            visible = visible & (taken > reference.mask_hidden_threshold(taken.dtype))
-            values = taken
+    if attn_mask is None:
+        return visible, None
+    taken = attn_mask[..., start:end]
+    if taken.shape[-1] < width:  # positions past the mask: hidden
+        fill = False if taken.dtype == torch.bool else float("-inf")
+        taken = torch.nn.functional.pad(taken, (0, width - taken.shape[-1]), value=fill)
+    if taken.dtype == torch.bool:
+        return visible & taken, None
+    return visible & (taken > reference.mask_hidden_threshold(taken.dtype)), taken
+
+
+def _bias(visible: torch.Tensor, values: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias ``[.., C]``: the mask's value (or 0) where visible, -inf where hidden;
+    rows allocated 16-aligned (the fused CUDA kernels' requirement), sliced to the chunk."""
+    width = visible.shape[-1]
     padded = -(-width // CHUNK_GRANULE) * CHUNK_GRANULE
-    bias = torch.full(
-        (*visible.shape[:-1], padded), float("-inf"), dtype=dtype, device=stored.device
-    )[..., :width]
-    shown = torch.zeros((), dtype=dtype, device=stored.device) if values is None else values
-    return bias.copy_(torch.where(visible, shown.to(dtype), float("-inf")))
+    bias = torch.empty((*visible.shape[:-1], padded), dtype=dtype, device=visible.device)
+    bias = bias[..., :width]
+    if values is None:
+        bias.zero_()
+    else:
+        bias.copy_(values)
+    return bias.masked_fill_(~visible, float("-inf"))
 
 
 def _attend(
@@ -479,13 +513,28 @@ def _attend(
     q: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    bias: torch.Tensor,
+    visible: torch.Tensor,
+    mask_values: torch.Tensor | None,
     softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q [B, H, S, P+R]`` over one chunk: ``(out [B, H, S, V], lse [B, H, S])``.
-    Rows that see no key are fixed by the caller."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of ``q [B, H, S, P+R]`` over one chunk: ``(out [B, H, S, V], lse [B, H, S])``
+    (lse None for "sdpa"). Rows that see no key are fixed by the caller."""
     batch, heads, q_len, _ = q.shape
-    full_bias = bias.expand(batch, heads, q_len, bias.shape[-1])
+    width = visible.shape[-1]
+    if kernel == "sdpa":  # the bool mask as the original passed it, when there is no float one
+        mask = visible if mask_values is None else _bias(visible, mask_values, q.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, scale=softmax_scale
+        )
+        return out, None
+    acc = reference.accumulation_dtype(q.dtype)
+    bias = _bias(visible, mask_values, q.dtype if kernel != "math" else acc)
+    full_bias = bias.expand(batch, heads, q_len, width)
+    if kernel == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, keys, values, full_bias, True, 0.0, False, False, scale=softmax_scale
+        )[:2]
+        return out, lse.reshape(batch, heads, -1)[..., :q_len]
     if kernel == "efficient":
         out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
             q, keys, values, full_bias, True, 0.0, False, scale=softmax_scale
@@ -493,17 +542,16 @@ def _attend(
         return out, lse[..., :q_len]
     if kernel == "flash_cpu":
         # The CPU kernel wants one head size for queries, keys and values: pad with zeros.
-        width = max(q.shape[-1], values.shape[-1])
-        pad = (0, width - q.shape[-1])
+        size = max(q.shape[-1], values.shape[-1])
+        pad = (0, size - q.shape[-1])
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             torch.nn.functional.pad(q, pad),
             torch.nn.functional.pad(keys, pad),
-            torch.nn.functional.pad(values, (0, width - values.shape[-1])),
+            torch.nn.functional.pad(values, (0, size - values.shape[-1])),
             attn_mask=full_bias,
             scale=softmax_scale,
         )
         return out[..., : values.shape[-1]], lse
-    acc = bias.dtype
     scores = torch.matmul(q.to(acc), keys.to(acc).transpose(-1, -2)) * softmax_scale + bias
     row_max = scores.amax(dim=-1, keepdim=True)  # [B, H, S, 1]
     probs = torch.exp(scores - torch.where(torch.isneginf(row_max), 0.0, row_max))

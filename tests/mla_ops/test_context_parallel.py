@@ -72,6 +72,7 @@ def _worker(rank: int, world: int, init: str) -> None:
             )  # fmt: skip
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+        _prefill_over_shares(rank, world)
         if world != 2:
             return
         # One graph under torch.compile (the gather is a functional collective).
@@ -86,6 +87,28 @@ def _worker(rank: int, world: int, init: str) -> None:
         _cache_decodes(rank, world)
     finally:
         dist.destroy_process_group()
+
+
+def _prefill_over_shares(rank: int, world: int) -> None:
+    """``context_parallel_prefill``: a 9-token query (a second turn) over shares of a ragged
+    cache, the model's mask over global positions, several chunks a rank: the single process's
+    ``mla::prefill`` output and LSE."""
+    gen = torch.Generator().manual_seed(11)
+    nope, v_dim = 6, 5
+    lengths = torch.tensor([0, 9, 37, 48], dtype=torch.int32)
+    rows = torch.randn(4, 48, L + R, generator=gen, dtype=torch.float64)
+    q = torch.randn(4, H, 9, nope + R, generator=gen, dtype=torch.float64)
+    weight = torch.randn(H * (nope + v_dim), L, generator=gen, dtype=torch.float64) / 3
+    mask = torch.rand(4, 1, 9, 45, generator=gen) > 0.3  # shorter than the cache: rest hidden
+    want = torch.ops.mla.prefill(q, rows[..., :L], rows[..., L:], lengths, None, weight, mask,
+                                 0.3, nope)  # fmt: skip
+    local = cp.shard_rows(rows, lengths, rank, world, interleave=2)
+    got = cp.context_parallel_prefill(
+        q, local[..., :L], local[..., L:], lengths, weight, attn_mask=mask, softmax_scale=0.3,
+        nope_dim=nope, interleave=2, chunk_tokens=16,
+    )  # fmt: skip
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
 
 
 def _caches(rank: int, world: int, interleave: int, batch: int = 3, layers: int = 2):

@@ -52,7 +52,7 @@ def random_case(seed: int, dtype: torch.dtype):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
 
     batch, heads, q_len = pick(1, 2, 3), pick(1, 3, 5, 16), pick(1, 2, 9, 20)
-    nope, rope_dim, v_dim, rank = pick(8, 12), pick(4, 8), pick(8, 10), pick(16, 24)
+    nope, rope_dim, v_dim, rank = pick(8, 12, 48), pick(4, 8, 16), pick(8, 10, 16, 32), pick(16, 24)
     page_size = pick(None, 1, 4, 16)
     capacity = pick(1, 17, 40, 64)
     if page_size:
@@ -144,11 +144,22 @@ def test_plan_sizes_chunks_from_the_memory_budget() -> None:
         **shape, dtype=torch.bfloat16, device_type="cuda", keys_read=32768, page_size=64
     )
     per_key = 16 * (16 * 256 + 16 * 192 + 8192) * 2
-    assert plan.kernel == "efficient" and plan.chunk_tokens % 64 == 0
+    assert plan.kernel == "cudnn" and plan.chunk_tokens % 64 == 0
     assert plan.chunk_bytes <= prefill_op.DEFAULT_CHUNK_BYTES < plan.chunk_bytes + 64 * per_key
     assert plan.num_chunks == -(-32768 // plan.chunk_tokens)
     small = plan_prefill(**shape, dtype=torch.bfloat16, device_type="cuda", keys_read=100)
     assert small.num_chunks == 1 and small.chunk_tokens == 112  # one chunk, no wider than needed
+    assert small.kernel == "cudnn"  # the LSE is wanted
+    no_lse = plan_prefill(
+        **shape, dtype=torch.bfloat16, device_type="cuda", keys_read=100, need_lse=False
+    )
+    assert no_lse.kernel == "sdpa"  # one chunk, no LSE: PyTorch's own choice of kernel
+    forced = plan_prefill(
+        **shape, dtype=torch.bfloat16, device_type="cuda", keys_read=100, kernel="efficient"
+    )
+    assert forced.kernel == "efficient" and forced.why("kernel") == "given"
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        plan_prefill(**shape, dtype=torch.bfloat16, device_type="cuda", keys_read=1, kernel="x")
     given = plan_prefill(
         **shape, dtype=torch.float32, device_type="cpu", keys_read=100, page_size=5, chunk_tokens=7
     )
@@ -156,8 +167,8 @@ def test_plan_sizes_chunks_from_the_memory_budget() -> None:
     assert plan_prefill(**shape, dtype=torch.float64, device_type="cuda", keys_read=9).kernel == (
         "math"
     )
-    odd = dict(shape, v_dim=10)
-    assert "multiples of 8" in plan_prefill(
+    odd = dict(shape, v_dim=8)
+    assert "multiples of 16" in plan_prefill(
         **odd, dtype=torch.bfloat16, device_type="cuda", keys_read=9
     ).why("kernel")
     assert (
@@ -189,17 +200,32 @@ def test_bad_arguments_are_named() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("seed", range(12))
 def test_cuda_matches_the_expanded_form(seed: int, dtype: torch.dtype) -> None:
-    """On CUDA: the memory-efficient kernel (head dims multiples of 8) or the plain one, chunks
-    merged, against float64 truth at the dtype's rounding."""
+    """On CUDA, each kernel that takes the shapes (cuDNN, memory-efficient, public SDPA without
+    the LSE, plain where head dims are not multiples of 16), chunks merged, against float64 truth
+    at the dtype's rounding."""
     args, chunk_tokens, truth = random_case(200 + seed, dtype)
     cuda_args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    out, lse = torch.ops.mla.prefill(*cuda_args, chunk_tokens)
-    plan = prefill_op.LAST_PLAN["prefill"]
-    q_dim, v_dim = args[0].shape[-1], out.shape[-1]
-    assert plan.kernel == ("efficient" if q_dim % 8 == 0 and v_dim % 8 == 0 else "math")
     want_out, want_lse = expanded_attention64(*truth)
     seen = torch.isfinite(want_lse)
     tolerance = {torch.bfloat16: 3e-2, torch.float16: 4e-3, torch.float32: 1e-4}[dtype]
-    torch.testing.assert_close(out.cpu().double(), want_out, rtol=tolerance, atol=tolerance)
-    torch.testing.assert_close(lse.cpu().double()[seen], want_lse[seen], rtol=1e-3, atol=1e-3)
-    assert torch.isneginf(lse.cpu()[~seen]).all() and (out.cpu()[~seen] == 0).all()
+    q_dim, v_dim = args[0].shape[-1], want_out.shape[-1]
+    fused = q_dim % 16 == 0 and v_dim % 16 == 0
+    runs = [("", True), ("efficient", True), ("", False)] if fused else [("", True)]
+    for kernel, need_lse in runs:
+        out, lse = torch.ops.mla.prefill(*cuda_args, chunk_tokens, need_lse, kernel)
+        torch.cuda.synchronize()
+        plan = prefill_op.LAST_PLAN["prefill"]
+        if not kernel:
+            expected = (
+                "math" if not fused else "cudnn" if need_lse or plan.num_chunks > 1 else "sdpa"
+            )
+            assert plan.kernel == expected, plan.describe()
+        got = out.cpu().double()
+        torch.testing.assert_close(got, want_out, rtol=tolerance, atol=tolerance, msg=plan.describe)
+        assert (got[~seen] == 0).all()
+        if need_lse:
+            lse = lse.cpu().double()
+            torch.testing.assert_close(lse[seen], want_lse[seen], rtol=1e-3, atol=1e-3)
+            assert torch.isneginf(lse[~seen]).all()
+        else:
+            assert lse.numel() == 0
