@@ -18,7 +18,9 @@ magnitude. Prefill amortises the expansion and its attention is one dense fused 
 un-absorbed form stays, computed by ``mla::prefill`` a chunk of keys at a time over the latent
 (``chunked_mla_prefill``): the original expanded every cached token at once. The rule: absorb when
 ``S <= max_q_len`` (default 8, the multi-token-prediction range our decode kernel serves); longer
-or symbolic S is prefill (``RewriteOptions(prefill="original")`` leaves it as written).
+or symbolic S is prefill: ``mla::prefill`` where the original's whole expansion would pass
+``prefill_original_bytes`` (1 GiB) or its shapes are symbolic, the original form below that,
+where it is faster (``RewriteOptions(prefill="original")`` leaves every prefill as written).
 
 Observability: ``torch._dynamo.utils.counters["mla"]`` counts ``absorbed_sites`` (decode),
 ``prefill_sites`` (``mla::prefill``), ``kept_sites`` (prefill left as written) and
@@ -39,6 +41,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from mla_compile.mla_ops import mla_decode
+from mla_compile.mla_ops.prefill import DEFAULT_CHUNK_BYTES
 
 from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
 from .latent_cache import rewrite_cache_updates
@@ -62,16 +65,20 @@ class RewriteOptions:
         the model wrote them (expanding every cached token at once).
     prefill_chunk_tokens: keys per chunk of ``mla::prefill``; 0 lets ``plan_prefill`` size the
         chunk from its memory budget.
+    prefill_original_bytes: with ``"chunked"``, a site whose shapes are static and whose whole
+        expansion (keys, values and the mask as a bias) fits this many bytes keeps the original
+        form, which is faster there (``docs/performance.md``); 0 chunks every prefill site.
     """
 
     max_q_len: int = DEFAULT_MAX_Q_LEN
     prefill: str = "chunked"
     prefill_chunk_tokens: int = 0
+    prefill_original_bytes: int = DEFAULT_CHUNK_BYTES
 
     def __post_init__(self) -> None:
         if self.prefill not in PREFILL_FORMS:
             raise ValueError(f"prefill must be one of {PREFILL_FORMS}, got {self.prefill!r}")
-        for name in ("max_q_len", "prefill_chunk_tokens"):
+        for name in ("max_q_len", "prefill_chunk_tokens", "prefill_original_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -393,6 +400,15 @@ def absorb_mla(
         if options.prefill == "original":
             _keep(report, site.attention.name, f"prefill ({length})")
             continue
+        expansion = original_expansion_bytes(site)
+        if expansion is not None and expansion <= options.prefill_original_bytes:
+            _keep(
+                report,
+                site.attention.name,
+                f"prefill ({length}) whose whole expansion, {expansion / 2**20:.1f} MiB, fits "
+                f"prefill_original_bytes={options.prefill_original_bytes}",
+            )
+            continue
         read = _rewrite(gm, site, prefill_chunk_tokens=options.prefill_chunk_tokens)
         counters["mla"]["prefill_sites"] += 1
         description = f"prefill ({length}), {site.describe()} cache={read}: mla::prefill"
@@ -466,6 +482,22 @@ def _dynamic_shapes_of(program: torch.export.ExportedProgram):
         leaves.append(spec)
     args_spec, _ = _pytree.tree_unflatten(leaves, program.call_spec.in_spec)
     return args_spec
+
+
+def original_expansion_bytes(site: MLASite) -> int | None:
+    """Bytes the original form of a prefill site allocates at once: per-head keys and values of
+    every key position it reads (``B x T x H x (P + R + V)``) and its mask as a bias
+    (``B x S x T``), in the query's dtype; None where a shape is symbolic."""
+    query_shape, latent_shape = shape(site.query), shape(site.latent)
+    value = meta_value(site.query)
+    if query_shape is None or latent_shape is None or not isinstance(value, torch.Tensor):
+        return None
+    batch, _, q_len, _ = query_shape
+    keys = latent_shape[-2]
+    if not all(isinstance(d, int) for d in (batch, q_len, keys)):
+        return None
+    per_key = site.heads * (site.nope_dim + site.rope_dim + site.v_dim) + q_len
+    return batch * keys * per_key * value.element_size()
 
 
 def _keep(report: AbsorbReport, name: str, reason: str) -> None:

@@ -174,7 +174,8 @@ def test_prefill_is_chunked_over_the_latent(chunk_tokens: int) -> None:
     args = inputs(q_len=T)
     captured = capture(model, args)
     counters.clear()
-    report = absorb_mla(captured.gm, options=RewriteOptions(prefill_chunk_tokens=chunk_tokens))
+    options = RewriteOptions(prefill_chunk_tokens=chunk_tokens, prefill_original_bytes=0)
+    report = absorb_mla(captured.gm, options=options)
     assert report.rewritten == 0 and not report.skipped and not report.kept
     assert "prefill (S_q=9 > max_q_len=8)" in report.prefill[0].reason
     assert counters["mla"]["prefill_sites"] == 1 and counters["mla"]["kept_sites"] == 0
@@ -198,6 +199,8 @@ def test_rewrite_options_refuse_bad_values() -> None:
         RewriteOptions(prefill="absorbed")
     with pytest.raises(ValueError, match="max_q_len must be an int >= 0"):
         RewriteOptions(max_q_len=-1)
+    with pytest.raises(ValueError, match="prefill_original_bytes must be an int >= 0"):
+        RewriteOptions(prefill_original_bytes=-1)
     with pytest.raises(TypeError, match="rewrite must be a RewriteOptions"):
         mla_backend({"prefill": "original"})
 

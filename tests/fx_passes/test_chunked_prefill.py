@@ -1,7 +1,8 @@
 """Prefill over the latent cache a chunk of keys at a time (``mla::prefill``) in real models.
 
 Float64, tiny random models, left-padded batches; the rewrite forced to several chunks
-(``RewriteOptions(prefill_chunk_tokens=16)``) so the LSE merge is exercised. Truth: the original
+(``RewriteOptions(prefill_chunk_tokens=16, prefill_original_bytes=0)``) so the LSE merge is
+exercised. Truth: the original
 model with SDPA and its default cache.
 """
 
@@ -26,7 +27,8 @@ transformers = pytest.importorskip("transformers")
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 15):
     pytest.skip("the latent-cache families need transformers >= 5.15", allow_module_level=True)
 
-CHUNKED = RewriteOptions(prefill_chunk_tokens=16)
+# every prefill site chunked (the tiny models' expansions would fit the default budget)
+CHUNKED = RewriteOptions(prefill_chunk_tokens=16, prefill_original_bytes=0)
 
 
 def compiled(model, options: RewriteOptions = CHUNKED):
@@ -117,3 +119,25 @@ def test_original_prefill_can_be_kept() -> None:
     assert counters["mla"]["prefill_sites"] == 0
     assert counters["mla"]["kept_sites"] == attention_layers(model)
     assert relative(got[mask.bool()], want[mask.bool()]) <= 1e-10
+
+
+def test_cost_rule_keeps_a_small_expansion() -> None:
+    """By default a prefill site whose whole expansion fits ``prefill_original_bytes`` keeps the
+    original form (faster there), with the bytes in its reason; below the site's bytes it is
+    chunked."""
+    model = tiny_model("deepseek_v2")
+    ids, mask = left_padded_batch((11, 9))
+    with torch.no_grad():
+        compiled(model, RewriteOptions())(ids, attention_mask=mask)
+    assert counters["mla"]["prefill_sites"] == 0
+    assert counters["mla"]["kept_sites"] == attention_layers(model)
+    # B=2, T=11, H, P+R+V per head, and the [B, S, T] bias, float64
+    config = model.config
+    per_key = config.num_attention_heads * (
+        config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    )
+    expansion = 2 * 11 * (per_key + 11) * 8
+    for limit, chunked in ((expansion, False), (expansion - 1, True)):
+        with torch.no_grad():
+            compiled(model, RewriteOptions(prefill_original_bytes=limit))(ids, attention_mask=mask)
+        assert counters["mla"]["prefill_sites"] == (attention_layers(model) if chunked else 0)

