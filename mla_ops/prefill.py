@@ -21,10 +21,12 @@ never read: the chunks stop at the longest sequence), and ``attn_mask`` hides mo
 visible) or floating (added to the scaled scores; at or below ``reference.MASK_HIDDEN``: hidden,
 the rule of ``mla::decode``). A query row that sees no key gets zeros and ``lse = -inf``.
 
-Kernels: on CUDA (bfloat16, float16, float32) each chunk runs PyTorch's memory-efficient attention,
-the kernel ``scaled_dot_product_attention`` picks for the original with a mask; on CPU its flash
-kernel; float64 on CUDA, other devices and shapes the CUDA kernel does not take run plain
-matmul-softmax-matmul over the chunk. ``LAST_PLAN["prefill"]`` (a ``PrefillPlan``) says what the
+Kernels (``plan_prefill``): on CUDA, one chunk whose LSE is not wanted (the rewrite's case) runs
+``scaled_dot_product_attention`` itself, which picks the kernel it picks for the original (cuDNN
+on an H100); several chunks run cuDNN attention with its LSE in bfloat16 and float16, and
+memory-efficient attention in float32. On CPU, the flash kernel with its LSE. float64 on CUDA,
+other devices and head dims that are not multiples of 16 run plain matmul-softmax-matmul over the
+chunk. ``LAST_PLAN["prefill"]`` (a ``PrefillPlan``) says what the
 latest call did and why.
 """
 
