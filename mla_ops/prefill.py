@@ -146,6 +146,20 @@ def plan_prefill(
     num_chunks = -(-keys_read // chunk)
 
     if kernel:
+        runs = {
+            "sdpa": num_chunks <= 1 and not need_lse,
+            "cudnn": on_cuda and fused,
+            "efficient": on_cuda and fused,
+            "flash_cpu": device_type == "cpu",
+            "math": True,
+        }
+        if not runs[kernel]:
+            raise ValueError(
+                f"attention_kernel={kernel!r} cannot run this call ({device_type}, {dtype}, head "
+                f"dims {nope_dim + rope_dim} and {v_dim}, {num_chunks} chunk(s), need_lse="
+                f"{need_lse}): 'sdpa' takes one chunk without LSE, 'cudnn' and 'efficient' CUDA "
+                "with head dims multiples of 16 up to 256, 'flash_cpu' CPU"
+            )
         reasons.append(("kernel", "given"))
     elif on_cuda and fused and num_chunks <= 1 and not need_lse:
         kernel = "sdpa"

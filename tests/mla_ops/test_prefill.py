@@ -152,6 +152,12 @@ def test_plan_sizes_chunks_from_the_memory_budget() -> None:
         **shape, dtype=torch.bfloat16, device_type="cuda", keys_read=100, kernel="efficient"
     )
     assert forced.kernel == "efficient" and forced.why("kernel") == "given"
+    with pytest.raises(ValueError, match="'sdpa' takes one chunk without LSE"):
+        plan_prefill(
+            **shape, dtype=torch.bfloat16, device_type="cuda", keys_read=100, kernel="sdpa"
+        )
+    with pytest.raises(ValueError, match="cannot run this call"):
+        plan_prefill(**shape, dtype=torch.float32, device_type="cpu", keys_read=1, kernel="cudnn")
     with pytest.raises(ValueError, match="kernel must be one of"):
         plan_prefill(**shape, dtype=torch.bfloat16, device_type="cuda", keys_read=1, kernel="x")
     given = plan_prefill(
