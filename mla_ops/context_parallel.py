@@ -210,11 +210,15 @@ def shard_rows(
 
 
 class ContextParallelCache:
-    """One rank's share of a latent cache sharded by token across a group (growing mode).
+    """One rank's share of a latent cache sharded by token across a group.
 
     Args:
         rank, world: this rank and the group's size (``for_group`` reads them from a process
             group); interleave: tokens per turn (see the module docstring).
+        static: every page allocated up front and the lengths on the device (global and local):
+            ``append`` and ``decode`` read nothing on the host, so a step compiles into one
+            graph and can be captured in a CUDA graph. The pools hold one scratch page more,
+            where ``mla::paged_write`` puts the rows of tokens other ranks own.
         The rest as ``PagedLatentCache``'s; ``max_length`` is the global most tokens per
         sequence, and the pages are allocated for this rank's share of it.
 
@@ -235,6 +239,7 @@ class ContextParallelCache:
         interleave: int = 1,
         page_size: int = 64,
         num_pages: int | None = None,
+        static: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -242,13 +247,18 @@ class ContextParallelCache:
         if not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         self.rank, self.world, self.interleave = rank, world, interleave
-        self.max_length = max_length
+        self.max_length, self.static = max_length, static
+        share = local_capacity(max_length, world, interleave)
+        if static and num_pages is None:  # every sequence's pages, and the scratch page
+            num_pages = batch_size * -(-share // page_size) + 1
         self.local = PagedLatentCache(
             num_layers=num_layers, batch_size=batch_size, kv_len=kv_len, rope_len=rope_len,
-            max_length=local_capacity(max_length, world, interleave), page_size=page_size,
-            num_pages=num_pages, dtype=dtype, device=device,
+            max_length=share, page_size=page_size, num_pages=num_pages, static=static,
+            dtype=dtype, device=device,
         )  # fmt: skip
-        self._lengths = [0] * num_layers  # global tokens per sequence, by layer
+        self._lengths = [0] * num_layers  # global tokens per sequence, by layer (growing mode)
+        # [num_layers, B] int32 global tokens per sequence (static mode's device lengths)
+        self.global_seqlens = torch.zeros_like(self.local.seqlens)
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None = None, **kwargs) -> ContextParallelCache:
@@ -256,11 +266,13 @@ class ContextParallelCache:
         return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), **kwargs)
 
     def get_seq_length(self, layer: int = 0) -> int:
-        """Global tokens stored per sequence in ``layer``."""
-        return self._lengths[layer]
+        """Global tokens stored per sequence in ``layer`` (static mode: a host read)."""
+        return int(self.global_seqlens[layer, 0]) if self.static else self._lengths[layer]
 
     def cache_seqlens(self, layer: int) -> torch.Tensor:
         """``[B]`` int32 global lengths of ``layer`` (``context_parallel_decode``'s argument)."""
+        if self.static:
+            return self.global_seqlens[layer]
         batch = self.local.batch_size
         return torch.full((batch,), self._lengths[layer], dtype=torch.int32, device=self.device)
 
@@ -276,6 +288,9 @@ class ContextParallelCache:
         """Store the ``S`` new tokens of every sequence (``kv_c [B, S, L]``, ``k_pe [B, S, R]``,
         the same on every rank): this rank keeps those it owns."""
         self.local._check_rows(kv_c, k_pe)
+        if self.static:
+            self._append_at_device_lengths(layer, kv_c, k_pe)
+            return
         start, new = self._lengths[layer], kv_c.shape[1]
         if start + new > self.max_length:
             raise ValueError(
@@ -286,6 +301,25 @@ class ContextParallelCache:
         if mine.numel():
             self.local.append(layer, kv_c[:, mine], k_pe[:, mine])
         self._lengths[layer] = start + new
+
+    def _append_at_device_lengths(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Static mode: the new tokens' global positions from the device lengths; this rank's
+        rows written at their local positions (``mla::paged_write``), the others to scratch."""
+        lengths, new = self.global_seqlens[layer], kv_c.shape[1]
+        if not torch.compiler.is_compiling() and (layer == 0 or self.device.type != "cuda"):
+            end = int(lengths.max()) + new  # a host read: once a step, never under compile
+            if end > self.max_length:
+                raise ValueError(
+                    f"cache capacity exceeded: {end - new} + {new} tokens > "
+                    f"max_length={self.max_length} (static share)"
+                )
+        position = lengths.long()[:, None] + torch.arange(new, device=kv_c.device)  # [B, S]
+        mine = owner(position, self.world, self.interleave) == self.rank
+        local = torch.where(mine, local_position(position, self.world, self.interleave), -1)
+        rows = torch.cat([kv_c, k_pe], dim=-1)  # [B, S, L+R]
+        torch.ops.mla.paged_write(self.local.pools[layer], self.local.block_table, local, rows)
+        self.local.seqlens[layer].add_(mine.sum(dim=1).to(torch.int32))
+        lengths.add_(new)
 
     def decode(
         self,
@@ -313,11 +347,12 @@ class ContextParallelCache:
     def crop(self, max_length: int, layer: int | None = None) -> None:
         """Keep the first ``max_length`` global tokens (negative: drop that many)."""
         layers = range(self.local.num_layers) if layer is None else [layer]
-        keeps = cropped_lengths({index: self._lengths[index] for index in layers}, max_length)
-        for index, keep in keeps.items():
+        lengths = {index: self.get_seq_length(index) for index in layers}
+        for index, keep in cropped_lengths(lengths, max_length).items():
             mine = local_lengths(torch.tensor([keep]), self.rank, self.world, self.interleave)
             self.local.crop(int(mine[0]), layer=index)
             self._lengths[index] = keep
+            self.global_seqlens[index].fill_(keep)
 
     def reorder(self, beam_idx: torch.Tensor, layer: int | None = None) -> None:
         """Sequence ``i`` becomes a copy of sequence ``beam_idx[i]`` (``PagedLatentCache``)."""
@@ -326,6 +361,8 @@ class ContextParallelCache:
     def regroup(self, sources: torch.Tensor) -> None:
         """A new batch of copies of ``sources`` (``PagedLatentCache.regroup``)."""
         self.local.regroup(sources)
+        sources = torch.as_tensor(sources, dtype=torch.long).reshape(-1).to(self.device)
+        self.global_seqlens = self.global_seqlens[:, sources].clone()
 
     def reset(self) -> None:
         """Empty every sequence."""

@@ -583,6 +583,52 @@ def _paged_append_fake(
     check_paged_rows_args(pool, block_table, cache_seqlens)
 
 
+# --- mla::paged_write -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("mla::paged_write", mutates_args=("pool",))
+def paged_write(
+    pool: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Write ``rows [B, S, D]`` at the token positions ``positions [B, S]`` (int64) of each
+    sequence's pages; in place, no host read, fixed shapes (compiles and captures in a CUDA
+    graph). A negative position writes nothing the cache reads: its row lands in the pool's last
+    page, which the caller keeps out of every block table (a scratch page). A position past the
+    block table's capacity rewrites the sequence's last row, as ``mla::paged_append`` does.
+    """
+    _check_floating("pool", pool)
+    if pool.dim() != 3 or pool.shape[0] < 2:
+        _fail(f"pool must be [num_pages >= 2, page_size, D] (its last page is scratch), got "
+              f"shape {tuple(pool.shape)}")  # fmt: skip
+    _check_index("block_table", block_table, 2, pool.device)
+    if rows.dim() != 3 or rows.shape[0] != block_table.shape[0] or rows.shape[2] != pool.shape[2]:
+        _fail(
+            f"rows must be [batch={block_table.shape[0]}, S, {pool.shape[2]}], got "
+            f"{tuple(rows.shape)}"
+        )
+    if positions.dtype != torch.int64 or tuple(positions.shape) != tuple(rows.shape[:2]):
+        _fail(f"positions must be int64 [{rows.shape[0]}, {rows.shape[1]}], got {positions.dtype} "
+              f"{tuple(positions.shape)}")  # fmt: skip
+    page_size, scratch = pool.shape[1], pool.shape[0] - 1
+    capacity = block_table.shape[1] * page_size
+    if _values_checked_on(pool.device) and bool((block_table == scratch).any()):
+        _fail(f"block_table uses page {scratch}, the pool's last page, which paged_write keeps "
+              "for the rows it does not write")  # fmt: skip
+    written = positions >= 0
+    clamped = positions.clamp(0, capacity - 1)
+    pages = block_table.long().gather(1, clamped // page_size)  # [B, S]
+    slots = torch.where(written, pages * page_size + clamped % page_size, scratch * page_size)
+    flat = pool.view(-1, pool.shape[2])
+    flat.index_copy_(0, slots.reshape(-1), rows.reshape(-1, rows.shape[2]).to(pool.dtype))
+
+
+@paged_write.register_fake
+def _paged_write_fake(
+    pool: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor
+) -> None:
+    return None
+
+
 # --- mla::expanded_kv_update: a marker for fx_passes --------------------------------------------
 
 

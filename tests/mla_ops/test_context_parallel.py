@@ -73,6 +73,7 @@ def _worker(rank: int, world: int, init: str) -> None:
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
         _prefill_over_shares(rank, world)
+        _static_share_compiles(rank, world)
         if world != 2:
             return
         # One graph under torch.compile (the gather is a functional collective).
@@ -109,6 +110,41 @@ def _prefill_over_shares(rank: int, world: int) -> None:
     )  # fmt: skip
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def _static_share_compiles(rank: int, world: int) -> None:
+    """A static share (device lengths, a scratch page): the append and the decode of a step
+    compile into one graph each (``fullgraph=True``: no host read, the gather a functional
+    collective); a prompt of 37, steps of 1, a verify block of 3 and a crop decode to a single
+    static cache's output (1e-10), in 1/world of its pages plus one."""
+    gen = torch.Generator().manual_seed(9)
+    kwargs = dict(num_layers=1, batch_size=3, kv_len=L, rope_len=R, max_length=64, page_size=4,
+                  static=True, dtype=torch.float64)  # fmt: skip
+    full = PagedLatentCache(**kwargs)
+    share = cp.ContextParallelCache(rank=rank, world=world, interleave=2, **kwargs)
+
+    def step(rows: torch.Tensor, q: torch.Tensor):
+        share.append(0, rows[..., :L], rows[..., L:])
+        return share.decode(0, q, softmax_scale=0.3)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    for new in (37, 1, 1, 3, -2, 1):
+        if new < 0:
+            full.crop(new)
+            share.crop(new)
+            continue
+        rows = torch.randn(3, new, L + R, generator=gen, dtype=torch.float64)
+        q = torch.randn(3, min(new, 3), H, L + R, generator=gen, dtype=torch.float64)
+        full.append(0, rows[..., :L], rows[..., L:])
+        want = mla_decode(q, full.pools[0], full.seqlens[0], block_table=full.block_table,
+                          head_dim_v=L, softmax_scale=0.3)  # fmt: skip
+        got = compiled(rows, q)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    assert share.get_seq_length() == full.get_seq_length() == 41
+    full_pages = full.pools[0].shape[0]
+    assert share.local.pools[0].shape[0] <= full_pages // world + 3 + 1  # a page a sequence
 
 
 def _caches(rank: int, world: int, interleave: int, batch: int = 3, layers: int = 2):

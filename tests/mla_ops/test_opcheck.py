@@ -75,6 +75,17 @@ def paged_append_samples(device: str):
         yield (pool, block_table, lengths, rows)
 
 
+def paged_write_samples(device: str):
+    """Positions in order, out of order and skipped (-1); the pool's last page kept out of the
+    block table (scratch)."""
+    gen = torch.Generator().manual_seed(25)
+    for page_size in (1, 4):
+        pool = torch.randn(2 * 4 + 1, page_size, 24, generator=gen).to(device)
+        table = torch.randperm(8, generator=gen).reshape(2, 4).to(torch.int32).to(device)
+        positions = torch.tensor([[0, 3, -1], [2, -1, 1]], dtype=torch.int64).to(device)
+        yield pool, table, positions, torch.randn(2, 3, 24, generator=gen).to(device)
+
+
 def prefill_samples(device: str):
     """Dense and paged, masks bool and float, S = 1 and several chunks (float32: the CPU flash
     kernel; on CUDA the fused kernels where head dims allow)."""
@@ -92,6 +103,7 @@ SAMPLES = {
     "mla::combine": combine_samples,
     "mla::paged_rows": paged_rows_samples,
     "mla::paged_append": paged_append_samples,
+    "mla::paged_write": paged_write_samples,
     "mla::prefill": prefill_samples,
 }
 # Ops that exist only to be rewritten in a traced graph: running one is an error (tested in

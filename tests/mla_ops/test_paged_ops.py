@@ -120,3 +120,27 @@ def test_an_overlong_sequence_reads_as_nan(monkeypatch) -> None:
     rows = torch.ops.mla.paged_rows(pool, block_table, lengths)
     assert torch.isnan(rows[0]).all()
     assert torch.equal(rows[1, :2], pool[2]) and not rows[1, 2:].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_paged_write(page_size: int, device: str) -> None:
+    """Each row lands at its position in its sequence's pages (a per-row loop says where);
+    a negative position writes only the scratch page; every other row is untouched."""
+    gen = torch.Generator().manual_seed(page_size)
+    pool = torch.randn(2 * 4 + 1, page_size, 6, generator=gen, dtype=torch.float64).to(device)
+    table = torch.randperm(8, generator=gen).reshape(2, 4).to(torch.int32).to(device)
+    positions = torch.tensor([[0, 3, -1], [2, -1, 1]], dtype=torch.int64, device=device)
+    rows = torch.randn(2, 3, 6, generator=gen, dtype=torch.float64).to(device)
+    want = pool.clone()
+    for b in range(2):
+        for s, position in enumerate(positions[b].tolist()):
+            if position >= 0:
+                page = int(table[b, position // page_size])
+                want[page, position % page_size] = rows[b, s]
+    torch.ops.mla.paged_write(pool, table, positions, rows)
+    assert torch.equal(pool[:-1], want[:-1])  # the scratch page (last) may hold anything
+    with pytest.raises(ValueError, match="the pool's last page"):
+        torch.ops.mla.paged_write(pool, torch.full_like(table, 8), positions, rows)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        torch.ops.mla.paged_write(pool, table, positions.int(), rows)
