@@ -41,6 +41,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from mla_compile.mla_ops import mla_decode
+from mla_compile.mla_ops.context_parallel import _merge_across, local_mask_columns
 from mla_compile.mla_ops.prefill import DEFAULT_CHUNK_BYTES
 
 from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
@@ -159,6 +160,7 @@ def _absorbed(
     nope_dim: int,
     v_dim: int,
     sink: torch.Tensor | None = None,
+    context_parallel: tuple[str, int, int, int] | None = None,
 ) -> torch.Tensor:
     batch, heads, q_len, _ = query.shape
     kv_lora_rank = kv_b_weight.shape[-1]
@@ -169,6 +171,8 @@ def _absorbed(
     mask = None
     if attn_mask is not None:
         mask = attn_mask[:, 0].expand(batch, q_len, attn_mask.shape[-1])  # [B, S, T_m]
+        if context_parallel is not None:  # the columns of this rank's tokens
+            mask = _local_columns(mask, kv_cache[0], block_table, context_parallel)
     out_lat, lse = mla_decode(
         q_abs,
         kv_cache,
@@ -179,6 +183,9 @@ def _absorbed(
         causal=False,  # the original's visibility is all in attn_mask
         attn_mask=mask,
     )  # [B, S, H, L], lse [B, S, H]
+    if context_parallel is not None:  # every rank's state, merged by LSE
+        group_name, world = context_parallel[:2]
+        out_lat, lse = _merge_across(out_lat, lse, group_name, world, query.dtype)
     if sink is not None:
         # softmax([scores, sink]) gives the tokens exp(lse) / (exp(lse) + exp(sink)) of the
         # weight: sigmoid(lse - sink). A row with no visible key (lse = -inf) keeps none.
@@ -265,10 +272,13 @@ def _prefill(
     nope_dim: int,
     sink: torch.Tensor | None,
     chunk_tokens: int,
+    context_parallel: tuple[str, int, int, int] | None = None,
 ) -> torch.Tensor:
     if attn_mask is not None:
         while attn_mask.dim() < 4:  # broadcast leading dimensions, as the attention did
             attn_mask = attn_mask.unsqueeze(0)
+        if context_parallel is not None:  # the columns of this rank's tokens
+            attn_mask = _local_columns(attn_mask, kv_c, block_table, context_parallel)
     out, lse = torch.ops.mla.prefill(
         query,
         kv_c,
@@ -280,12 +290,84 @@ def _prefill(
         softmax_scale,
         nope_dim,
         chunk_tokens,
-        sink is not None,  # the LSE is needed only to weigh a sink
+        # the LSE is needed to weigh a sink, or to merge the ranks' states
+        sink is not None or context_parallel is not None,
     )
+    if context_parallel is not None:  # every rank's state, merged by LSE
+        group_name, world = context_parallel[:2]
+        out, lse = _merge_across(out, lse, group_name, world, query.dtype)
     if sink is not None:  # as in _absorbed: the tokens keep sigmoid(lse - sink) of the weight
         kept = torch.sigmoid(lse - sink[..., 0].to(lse.dtype)).unsqueeze(-1)  # [B, H, S, 1]
         out = (out.to(lse.dtype) * kept).to(out.dtype)
     return out
+
+
+def context_parallel_mla_attention(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    local_seqlens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+    sink: torch.Tensor | None = None,
+    *,
+    group_name: str,
+    world: int,
+    rank: int,
+    interleave: int,
+) -> torch.Tensor:
+    """``absorbed_mla_attention_paged`` over this rank's share of a cache sharded by token
+    (``MLACache(context_parallel=...)``): ``mla_decode`` over the rank's pages with the mask's
+    columns of its tokens, then every rank's state gathered and merged by LSE
+    (``context_parallel._merge_across``, a functional collective)."""
+    kv_lora_rank = kv_b_weight.shape[-1]
+    kv_cache = (pool[..., :kv_lora_rank], pool[..., kv_lora_rank:])
+    return _absorbed(
+        query, kv_cache, local_seqlens, block_table, kv_b_weight, attn_mask, softmax_scale,
+        nope_dim, v_dim, sink, (group_name, world, rank, interleave),
+    )  # fmt: skip
+
+
+def context_parallel_mla_prefill(
+    query: torch.Tensor,
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    local_seqlens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    softmax_scale: float,
+    nope_dim: int,
+    v_dim: int,
+    sink: torch.Tensor | None = None,
+    chunk_tokens: int = 0,
+    *,
+    group_name: str,
+    world: int,
+    rank: int,
+    interleave: int,
+) -> torch.Tensor:
+    """``chunked_mla_prefill_paged`` over this rank's share, merged across the group."""
+    kv_lora_rank = kv_b_weight.shape[-1]
+    return _prefill(
+        query, pool[..., :kv_lora_rank], pool[..., kv_lora_rank:], local_seqlens, block_table,
+        kv_b_weight, attn_mask, softmax_scale, nope_dim, sink, chunk_tokens,
+        (group_name, world, rank, interleave),
+    )  # fmt: skip
+
+
+def _local_columns(
+    mask: torch.Tensor,
+    rows: torch.Tensor,
+    block_table: torch.Tensor,
+    context_parallel: tuple[str, int, int, int],
+) -> torch.Tensor:
+    """A mask over global positions cut to the columns of this rank's local positions."""
+    _, world, rank, interleave = context_parallel
+    capacity = block_table.shape[1] * rows.shape[1]
+    return local_mask_columns(mask, capacity, rank, world, interleave)
 
 
 @dataclass
@@ -401,7 +483,9 @@ def absorb_mla(
             _keep(report, site.attention.name, f"prefill ({length})")
             continue
         expansion = original_expansion_bytes(site)
-        if expansion is not None and expansion <= options.prefill_original_bytes:
+        # a sharded cache's original form would gather every rank's rows: always chunked
+        sharded = context_parallel_source(site.latent, site.k_rot, site.weight) is not None
+        if not sharded and expansion is not None and expansion <= options.prefill_original_bytes:
             _keep(
                 report,
                 site.attention.name,
@@ -522,8 +606,15 @@ def _rewrite(gm: GraphModule, site: MLASite, prefill_chunk_tokens: int | None = 
     prefill = prefill_chunk_tokens is not None
     if prefill:
         kwargs["chunk_tokens"] = prefill_chunk_tokens
+    shared = context_parallel_source(site.latent, site.k_rot, site.weight)
     paged = paged_source(site.latent, site.k_rot, site.weight)
-    if paged is not None:
+    if shared is not None:
+        pool, block_table, local_seqlens, group_name, world, rank, interleave = shared
+        kwargs.update(group_name=group_name, world=world, rank=rank, interleave=interleave)
+        function = context_parallel_mla_prefill if prefill else context_parallel_mla_attention
+        args = (site.query, pool, block_table, local_seqlens, site.weight, site.attn_mask)
+        paged = shared
+    elif paged is not None:
         pool, block_table, cache_seqlens = paged
         function = chunked_mla_prefill_paged if prefill else absorbed_mla_attention_paged
         args = (site.query, pool, block_table, cache_seqlens, site.weight, site.attn_mask)
@@ -541,13 +632,23 @@ def _rewrite(gm: GraphModule, site: MLASite, prefill_chunk_tokens: int | None = 
     for node in sorted(dead, key=order.__getitem__, reverse=True):
         if not node.users:
             graph.erase_node(node)
-    return "paged" if paged is not None else "dense"
+    return "context_parallel" if shared is not None else "paged" if paged else "dense"
 
 
-def paged_source(latent: Node, k_rot: Node, weight: Node) -> tuple[Node, Node, Node] | None:
-    """``(pool, block_table, cache_seqlens)`` when the site's latent and rope key are the two
-    column ranges ``[0, L)`` and ``[L, L+R)`` of one ``mla::paged_rows`` gather (``MLACache``
-    in static mode), so the pages can be read in place; else None."""
+def context_parallel_source(latent: Node, k_rot: Node, weight: Node) -> tuple | None:
+    """``(pool, block_table, local_seqlens, group_name, world, rank, interleave)`` when the
+    site's latent and rope key are the column ranges of one ``mla::cp_rows`` gather (a
+    context-parallel ``MLACache``): this rank's pages are read in place; else None."""
+    source = _rows_source(latent, k_rot, weight)
+    if source is None or kind(source) != "cp_rows":
+        return None
+    names = ("pool", "block_table", "local_seqlens", "group_name", "world", "rank", "interleave")
+    return tuple(named_arg(source, name) for name in names)
+
+
+def _rows_source(latent: Node, k_rot: Node, weight: Node) -> Node | None:
+    """The one gather (``paged_rows`` or ``cp_rows``) whose column ranges ``[0, L)`` and
+    ``[L, L+R)`` are the site's latent and rope key, or None."""
     ranges = []
     for node in (latent, k_rot):
         while kind(node) == "unsqueeze":
@@ -558,22 +659,34 @@ def paged_source(latent: Node, k_rot: Node, weight: Node) -> tuple[Node, Node, N
         ranges.append(taken)
     (source, start, end), (rope_source, rope_start, rope_end) = ranges
     weight_shape, source_shape = shape(weight), shape(source)
-    if source is not rope_source or kind(source) != "paged_rows" or weight_shape is None:
+    if source is not rope_source or kind(source) not in ("paged_rows", "cp_rows"):
+        return None
+    if weight_shape is None or source_shape is None:
         return None
     kv_lora_rank = weight_shape[-1]
     if (start, end, rope_start, rope_end) != (0, kv_lora_rank, kv_lora_rank, source_shape[-1]):
+        return None
+    return source
+
+
+def paged_source(latent: Node, k_rot: Node, weight: Node) -> tuple[Node, Node, Node] | None:
+    """``(pool, block_table, cache_seqlens)`` when the site's latent and rope key are the two
+    column ranges ``[0, L)`` and ``[L, L+R)`` of one ``mla::paged_rows`` gather (``MLACache``
+    in static mode), so the pages can be read in place; else None."""
+    source = _rows_source(latent, k_rot, weight)
+    if source is None or kind(source) != "paged_rows":
         return None
     return tuple(named_arg(source, name) for name in ("pool", "block_table", "cache_seqlens"))
 
 
 def _view_chain(node: Node) -> set[Node]:
-    """``node`` and the unsqueeze / column-range / paged_rows nodes it was taken from."""
+    """``node`` and the unsqueeze / column-range / gather nodes it was taken from."""
     chain = set()
     while node is not None:
         chain.add(node)
         if kind(node) == "unsqueeze":
             node = named_arg(node, "input")
-        elif kind(node) == "paged_rows":
+        elif kind(node) in ("paged_rows", "cp_rows"):
             node = None
         else:
             taken = last_dim_range(node)

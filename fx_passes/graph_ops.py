@@ -47,6 +47,9 @@ _KINDS: dict[str, tuple[tuple[Any, ...], tuple[str, ...]]] = {
     "unsqueeze": ((torch.unsqueeze, aten.unsqueeze.default), ("unsqueeze",)),
     # a paged latent cache's rows in token order (mla_ops.paged_cache, static mode)
     "paged_rows": ((torch.ops.mla.paged_rows, torch.ops.mla.paged_rows.default), ()),
+    # every rank's rows of a cache sharded by token (mla_ops.context_parallel, MLACache's
+    # context_parallel)
+    "cp_rows": ((torch.ops.mla.cp_rows, torch.ops.mla.cp_rows.default), ()),
     # what MLACache receives from attention that caches expanded K/V (transformers < 5.15)
     "expanded_kv_update": (
         (torch.ops.mla.expanded_kv_update, torch.ops.mla.expanded_kv_update.default),
@@ -95,6 +98,16 @@ _PARAMS: dict[str, tuple[str, ...]] = {
     "copy_": ("self", "src"),
     "unsqueeze": ("input", "dim"),
     "paged_rows": ("pool", "block_table", "cache_seqlens"),
+    "cp_rows": (
+        "pool",
+        "block_table",
+        "local_seqlens",
+        "group_name",
+        "world",
+        "rank",
+        "interleave",
+        "capacity",
+    ),
 }
 
 

@@ -10,6 +10,7 @@ from mla_compile._legacy import hand_over
 
 hand_over(__name__)  # imported by its deprecated bare name: becomes mla_compile.mla_ops
 
+from . import context_parallel  # noqa: F401  (registers mla::cp_rows)
 from .ops import (
     FP8_CACHE_DTYPE,
     SUPPORTED_DTYPES,

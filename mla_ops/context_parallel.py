@@ -20,17 +20,35 @@ and batch regroups, each applied by every rank of the group alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
 from .ops import mla_combine, mla_decode
-from .paged_cache import PagedLatentCache, cropped_lengths
+from .paged_cache import PagedLatentCache, capacity_for, cropped_lengths
 from .reference import accumulation_dtype
 
 # The traceable all-gather: ``all_gather_single`` where torch has it (``all_gather_tensor``, its
 # older name, is deprecated there).
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """Decode context parallelism for ``MLACache(..., static=True, context_parallel=...)``: the
+    cache sharded by token across ``group`` (default: the world), ``interleave`` tokens a turn.
+    Every rank runs the whole model on the same inputs; the rewrite (``backend="mla"``) reads
+    each rank's pages and merges the ranks' attention states."""
+
+    group: dist.ProcessGroup | None = None
+    interleave: int = 1
+
+    def ranks(self) -> tuple[int, int, str]:
+        """``(rank, world, group name)`` of this process in the group."""
+        group = self.group or dist.group.WORLD
+        return dist.get_rank(group), dist.get_world_size(group), group.group_name
 
 
 def owner(token: torch.Tensor, world: int, interleave: int = 1) -> torch.Tensor:
@@ -183,15 +201,67 @@ def context_parallel_prefill(
         capacity = (
             block_table.shape[1] * kv_c.shape[1] if block_table is not None else kv_c.shape[1]
         )
-        local = torch.arange(capacity, device=q.device)
-        source = global_position(local, rank, world, interleave)  # [T_local] global positions
-        inside = source < attn_mask.shape[-1]
-        columns = attn_mask[..., source.clamp(max=attn_mask.shape[-1] - 1)]
-        hidden = False if attn_mask.dtype == torch.bool else float("-inf")
-        attn_mask = torch.where(inside, columns, hidden)
+        attn_mask = local_mask_columns(attn_mask, capacity, rank, world, interleave)
     out, lse = torch.ops.mla.prefill(q, kv_c, k_pe, lengths, block_table, kv_b_weight,
                                      attn_mask, softmax_scale, nope_dim, chunk_tokens)  # fmt: skip
     return _merge_across(out, lse, group, world, q.dtype)
+
+
+def local_mask_columns(
+    attn_mask: torch.Tensor, capacity: int, rank: int, world: int, interleave: int = 1
+) -> torch.Tensor:
+    """The columns of a mask over *global* key positions ``[..., T_m]`` that rank ``rank``'s
+    local positions ``0 .. capacity - 1`` hold: ``[..., capacity]``; positions past ``T_m``
+    hidden (False, or -inf for a float mask)."""
+    local = torch.arange(capacity, device=attn_mask.device)
+    source = global_position(local, rank, world, interleave)  # [capacity] global positions
+    inside = source < attn_mask.shape[-1]
+    columns = attn_mask[..., source.clamp(max=attn_mask.shape[-1] - 1)]
+    hidden = False if attn_mask.dtype == torch.bool else float("-inf")
+    return torch.where(inside, columns, hidden)
+
+
+@torch.library.custom_op("mla::cp_rows", mutates_args=())
+def cp_rows(
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    local_seqlens: torch.Tensor,
+    group_name: str,
+    world: int,
+    rank: int,
+    interleave: int,
+    capacity: int,
+) -> torch.Tensor:
+    """Every rank's rows of a sharded cache in global token order: ``[B, capacity, D]``, zero
+    past each sequence's length. What an unrewritten attention reads from a context-parallel
+    ``MLACache``: an all-gather of the whole cache (correct, without the memory saving). The
+    rewrite replaces it, reading this rank's ``pool`` pages in place."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    local = torch.ops.mla.paged_rows(pool, block_table, local_seqlens)  # [B, T_local, D]
+    gathered = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local.contiguous(), group=_resolve_process_group(group_name))
+    out = local.new_zeros((local.shape[0], capacity, local.shape[2]))
+    position = torch.arange(local.shape[1], device=local.device)
+    for source, rows in enumerate(gathered):
+        target = global_position(position, source, world, interleave)
+        inside = target < capacity
+        out[:, target[inside]] = rows[:, inside]
+    return out
+
+
+@cp_rows.register_fake
+def _cp_rows_fake(
+    pool: torch.Tensor,
+    block_table: torch.Tensor,
+    local_seqlens: torch.Tensor,
+    group_name: str,
+    world: int,
+    rank: int,
+    interleave: int,
+    capacity: int,
+) -> torch.Tensor:
+    return pool.new_empty((block_table.shape[0], capacity, pool.shape[2]))
 
 
 def shard_rows(
@@ -242,8 +312,10 @@ class ContextParallelCache:
         static: bool = False,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        group_name: str | None = None,
     ) -> None:
         _check_group(world, rank, interleave)
+        self.group_name = group_name  # the group's name (None: the world), for mla::cp_rows
         if not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         self.rank, self.world, self.interleave = rank, world, interleave
@@ -263,7 +335,11 @@ class ContextParallelCache:
     @classmethod
     def for_group(cls, group: dist.ProcessGroup | None = None, **kwargs) -> ContextParallelCache:
         """The calling rank's share, for ``group`` (default: the world)."""
-        return cls(rank=dist.get_rank(group), world=dist.get_world_size(group), **kwargs)
+        group = group or dist.group.WORLD
+        return cls(
+            rank=dist.get_rank(group), world=dist.get_world_size(group),
+            group_name=group.group_name, **kwargs,
+        )  # fmt: skip
 
     def get_seq_length(self, layer: int = 0) -> int:
         """Global tokens stored per sequence in ``layer`` (static mode: a host read)."""
@@ -283,6 +359,51 @@ class ContextParallelCache:
     def cache_bytes(self) -> int:
         """Bytes of this rank's pools (every layer)."""
         return sum(p.numel() * p.element_size() for p in self.local.all_pools)
+
+    # What MLACache reads of its storage (a PagedLatentCache's names).
+    @property
+    def batch_size(self) -> int:
+        return self.local.batch_size
+
+    @property
+    def pools(self) -> list[torch.Tensor]:
+        return self.local.pools
+
+    @property
+    def all_pools(self) -> list[torch.Tensor]:
+        return self.local.all_pools
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        return self.local.block_table
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """``[num_layers, B]`` int32 global lengths (static mode)."""
+        return self.global_seqlens
+
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The tensors a compiled step reads in place (static mode)."""
+        return [*self.local.fixed_tensors(), self.global_seqlens]
+
+    def bytes_per_token_per_layer(self) -> int:
+        return self.local.bytes_per_token_per_layer()
+
+    def index_bytes_per_token(self) -> int:
+        return 0
+
+    def rows(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's rows of ``layer`` in global order (``mla::cp_rows``, static mode):
+        ``kv_c [B, capacity, L]``, ``k_pe [B, capacity, R]``."""
+        if not self.static:
+            raise RuntimeError("ContextParallelCache.rows needs a static share (static=True)")
+        name = self.group_name or dist.group.WORLD.group_name
+        capacity = capacity_for(self.max_length, self.local.page_size)
+        rows = torch.ops.mla.cp_rows(
+            self.local.pools[layer], self.local.block_table, self.local.seqlens[layer], name,
+            self.world, self.rank, self.interleave, capacity,
+        )  # fmt: skip
+        return rows[..., : self.local.kv_len], rows[..., self.local.kv_len :]
 
     def append(self, layer: int, kv_c: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Store the ``S`` new tokens of every sequence (``kv_c [B, S, L]``, ``k_pe [B, S, R]``,

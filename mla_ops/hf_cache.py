@@ -35,6 +35,7 @@ import warnings
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 
 try:
     import transformers
@@ -45,6 +46,7 @@ except ImportError as error:  # the [hf] extra
         "pip install 'mla-compile[hf]'"
     ) from error
 
+from .context_parallel import ContextParallel, ContextParallelCache
 from .paged_cache import PagedLatentCache, capacity_for
 
 # The first release whose MLA attention caches latents (kv_c, k_pe) instead of per-head K/V.
@@ -121,12 +123,14 @@ class _SharedStore:
         num_pages: int | None,
         index_len: int = 0,
         index_layers: list[int] | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
+        self.context_parallel = context_parallel
         self.num_layers, self.kv_len, self.rope_len = num_layers, kv_len, rope_len
         self.max_length, self.page_size = max_length, page_size
         self.static, self.num_pages = static, num_pages
         self.index_len, self.index_layers = index_len, index_layers
-        self.cache: PagedLatentCache | None = None
+        self.cache: PagedLatentCache | ContextParallelCache | None = None
         self.single_head_widths: tuple[int, int | None] | None = None
 
     @property
@@ -134,7 +138,18 @@ class _SharedStore:
         """Token positions per sequence, before the storage exists (``capacity_for``)."""
         return capacity_for(self.max_length, self.page_size)
 
-    def get(self, batch_size: int, dtype: torch.dtype, device: torch.device) -> PagedLatentCache:
+    def get(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> PagedLatentCache | ContextParallelCache:
+        if self.cache is None and self.context_parallel is not None:
+            rank, world, name = self.context_parallel.ranks()
+            self.cache = ContextParallelCache(
+                rank=rank, world=world, interleave=self.context_parallel.interleave,
+                group_name=name, num_layers=self.num_layers, batch_size=batch_size,
+                kv_len=self.kv_len, rope_len=self.rope_len, max_length=self.max_length,
+                page_size=self.page_size, static=True, dtype=dtype, device=device,
+            )  # fmt: skip
+            self.mark_static()
         if self.cache is None:
             self.cache = PagedLatentCache(
                 num_layers=self.num_layers,
@@ -156,7 +171,7 @@ class _SharedStore:
     def mark_static(self) -> None:
         """Fixed addresses (static mode): compiled graphs and CUDA graphs read them in place."""
         if self.static and self.cache is not None and not torch.compiler.is_compiling():
-            for tensor in [*self.cache.all_pools, self.cache.block_table, self.cache.seqlens]:
+            for tensor in self.cache.fixed_tensors():
                 torch._dynamo.mark_static_address(tensor)
 
 
@@ -420,6 +435,33 @@ def _sparse_refusal(text) -> str | None:
     return None
 
 
+def _check_context_parallel(
+    context_parallel: ContextParallel, static: bool, index_len: int, num_pages: int | None
+) -> None:
+    if not isinstance(context_parallel, ContextParallel):
+        raise TypeError(
+            f"context_parallel must be a ContextParallel, got {type(context_parallel).__name__}"
+        )
+    if not static:
+        raise ValueError("MLACache(context_parallel=...) needs static=True (device lengths)")
+    if index_len:
+        raise NotImplementedError(
+            "MLACache(context_parallel=...) does not shard a sparse-attention indexer's keys"
+        )
+    if num_pages is not None:
+        raise ValueError("MLACache(context_parallel=...) sizes each rank's pages itself")
+    if not LATENT_ATTENTION:
+        raise NotImplementedError(
+            "MLACache(context_parallel=...) needs transformers >= 5.15, whose attention hands "
+            "the cache latents"
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "MLACache(context_parallel=...) needs torch.distributed initialised "
+            "(dist.init_process_group, or torchrun)"
+        )
+
+
 class MLACache(Cache):
     """Paged latent cache for MLA models: ``generate(..., cache=MLACache(config))``
     (``past_key_values=`` before transformers 5.24; ``cache_kwargs`` picks the name).
@@ -433,6 +475,11 @@ class MLACache(Cache):
         batch_size, dtype, device: allocate the storage now (all three, or none: then at the
             first update). With ``torch.compile`` this keeps the first prefill's graph for every
             later one.
+        context_parallel: a ``ContextParallel``: shard the cache by token across its process
+            group (static mode; each rank holds ``1 / world`` of every sequence's tokens). The
+            rewritten model (``backend="mla"``) attends over each rank's pages and merges the
+            ranks' states; an unrewritten one gathers the whole cache on every step (correct,
+            without the saving).
 
     Reuse: ``reset()`` before a new prompt (no recompilation). Without it ``generate()`` reads
     the cached tokens as the prompt's first ones, as with any Hugging Face cache: a follow-up
@@ -450,6 +497,7 @@ class MLACache(Cache):
         batch_size: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
         text = config.get_text_config()
         # The refusals come first: they read no per-layer attribute, which a heterogeneous
@@ -500,9 +548,11 @@ class MLACache(Cache):
             raise ValueError(
                 f"MLACache is for MLA models; {type(config).__name__} has no kv_lora_rank"
             )
+        if context_parallel is not None:
+            _check_context_parallel(context_parallel, static, index_len, num_pages)
         self.store = _SharedStore(
             text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages,
-            index_len, index_layers,
+            index_len, index_layers, context_parallel,
         )  # fmt: skip
         # A model of one attention head hands expanded K/V in the latents' [B, 1, S, .] layout:
         # their widths tell them apart.

@@ -160,6 +160,11 @@ class PagedLatentCache:
         """Every pool the block table addresses: the latents', then the indexer keys'."""
         return [*self.pools, *(p for p in self.index_pools if p is not None)]
 
+    def fixed_tensors(self) -> list[torch.Tensor]:
+        """The tensors a compiled step reads in place (static mode): pools, block table,
+        lengths."""
+        return [*self.all_pools, self.block_table, self.seqlens]
+
     @property
     def capacity(self) -> int:
         """Token positions one sequence's block-table row addresses (``capacity_for``)."""

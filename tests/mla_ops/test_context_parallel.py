@@ -74,6 +74,7 @@ def _worker(rank: int, world: int, init: str) -> None:
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
         _prefill_over_shares(rank, world)
         _static_share_compiles(rank, world)
+        _cp_rows_opcheck(rank, world)
         if world != 2:
             return
         # One graph under torch.compile (the gather is a functional collective).
@@ -110,6 +111,24 @@ def _prefill_over_shares(rank: int, world: int) -> None:
     )  # fmt: skip
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def _cp_rows_opcheck(rank: int, world: int) -> None:
+    """``mla::cp_rows`` (every rank's rows in global order, as an unrewritten attention reads a
+    sharded MLACache): ``torch.library.opcheck`` on every rank, and the rows themselves."""
+    gen = torch.Generator().manual_seed(13)
+    lengths = torch.tensor([0, 9, 30], dtype=torch.int32)
+    rows = torch.randn(3, 32, L + R, generator=gen, dtype=torch.float64)
+    local = cp.shard_rows(rows, lengths, rank, world, interleave=2)  # [3, T_local, D]
+    pages = local.reshape(-1, 4, L + R)  # pages of 4, in order
+    table = torch.arange(pages.shape[0], dtype=torch.int32).view(3, -1)
+    mine = cp.local_lengths(lengths, rank, world, interleave=2)
+    args = (pages, table, mine, dist.group.WORLD.group_name, world, rank, 2, 32)
+    torch.library.opcheck(torch.ops.mla.cp_rows.default, args)
+    got = torch.ops.mla.cp_rows(*args)
+    position = torch.arange(32)
+    want = torch.where((position[None, :] < lengths[:, None].long())[..., None], rows, 0.0)
+    assert torch.equal(got, want)
 
 
 def _static_share_compiles(rank: int, world: int) -> None:

@@ -1,0 +1,117 @@
+"""Decode context parallelism inside a model: ``MLACache(static=True,
+context_parallel=ContextParallel())`` shards the latent cache by token across 2 gloo processes,
+each running the whole model; the rewrite (``backend="mla_eager"``, fullgraph) reads each rank's
+pages and merges the ranks' attention states. Float64, a left-padded batch: 32 greedy tokens and
+the prompt's and every step's logits equal the single process's (1e-10) on every rank, each rank
+holding about half the cache; the unrewritten model gives the same tokens (it gathers the whole
+cache each step). DeepSeek-V2, DeepSeek-V3 and GLM-4 MoE Lite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.fx_passes.tiny_models import (
+    attention_layers,
+    left_padded_batch,
+    tiny_model,
+    truth_model,
+)
+
+transformers = pytest.importorskip("transformers")
+from mla_compile.mla_ops.hf_cache import transformers_version  # noqa: E402
+
+if transformers_version() < (5, 15):
+    pytest.skip(
+        "MLACache's context parallelism needs transformers >= 5.15", allow_module_level=True
+    )
+
+FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+WORLD = 2
+NEW_TOKENS = 32
+
+
+def _cache(model, context_parallel):
+    from mla_compile.mla_ops.hf_cache import MLACache
+
+    return MLACache(
+        model.config, max_length=48, page_size=4, static=True, batch_size=2,
+        dtype=torch.float64, device="cpu", context_parallel=context_parallel,
+    )  # fmt: skip
+
+
+def _generate(model, cache, ids, mask):
+    from mla_compile.mla_ops.hf_cache import cache_kwargs
+
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True, **cache_kwargs(model, cache),
+        )  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def _worker(rank: int, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{root}/rendezvous", rank=rank,
+                            world_size=WORLD)  # fmt: skip
+    try:
+        from torch._dynamo.utils import counters
+
+        from mla_compile.mla_ops.context_parallel import ContextParallel
+
+        ids, mask = left_padded_batch((5, 11), seed=3)
+        for family in FAMILIES:
+            model = tiny_model(family)
+            exact = truth_model(model)
+            want, want_logits = _generate(exact, None, ids, mask)
+            whole = _cache(model, None)  # the single process's static cache (allocated now)
+            if family == FAMILIES[0]:
+                # unrewritten: attention reads every rank's rows, gathered (mla::cp_rows)
+                plain = _cache(model, ContextParallel())
+                got, _ = _generate(model, plain, ids, mask)
+                assert torch.equal(got, want), family
+
+            torch._dynamo.reset()
+            counters.clear()
+            model.forward = torch.compile(model.forward, backend="mla_eager", fullgraph=True)
+            shared = _cache(model, ContextParallel())
+            got, logits = _generate(model, shared, ids, mask)
+            layers = attention_layers(model)
+            assert torch.equal(got, want), family
+            assert _relative(logits, want_logits) <= 1e-10, family
+            assert counters["mla"]["context_parallel_sites"] >= layers  # decode steps
+            assert counters["mla"]["prefill_sites"] >= layers  # the 11-token prompt
+            share, full = (
+                shared.paged.cache_bytes(),
+                sum(p.numel() * p.element_size() for p in whole.paged.all_pools),
+            )
+            page = 4 * (model.config.kv_lora_rank + model.config.qk_rope_head_dim) * 8
+            layers_all = model.config.num_hidden_layers
+            # half the pages, plus a page a sequence (rounding) and the scratch page, per layer
+            assert share <= full / WORLD + 3 * page * layers_all, (family, share, full)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_context_parallel_generate_equals_one_process(tmp_path) -> None:
+    """A failing rank's exception and traceback come back through ``mp.spawn``."""
+    mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD)
+
+
+def test_context_parallel_cache_refusals() -> None:
+    from mla_compile.mla_ops.context_parallel import ContextParallel
+    from mla_compile.mla_ops.hf_cache import MLACache
+
+    model = tiny_model("deepseek_v2")
+    with pytest.raises(ValueError, match="needs static=True"):
+        MLACache(model.config, max_length=16, context_parallel=ContextParallel())
+    with pytest.raises(TypeError, match="must be a ContextParallel"):
+        MLACache(model.config, max_length=16, static=True, context_parallel="world")
+    with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
+        MLACache(model.config, max_length=16, static=True, context_parallel=ContextParallel())
