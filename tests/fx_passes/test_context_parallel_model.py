@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.fx_passes.tiny_models import FAMILIES as TESTED_FAMILIES
 from tests.fx_passes.tiny_models import (
     attention_layers,
     left_padded_batch,
@@ -28,7 +29,8 @@ if transformers_version() < (5, 15):
         "MLACache's context parallelism needs transformers >= 5.15", allow_module_level=True
     )
 
-FAMILIES = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite")
+# as far as this run tests them (MLA_TEST_FAMILIES narrows the pinned-release runs)
+FAMILIES = tuple(f for f in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite") if f in TESTED_FAMILIES)
 WORLD = 2
 NEW_TOKENS = 32
 
@@ -99,6 +101,7 @@ def _worker(rank: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not FAMILIES, reason="none of the families is tested in this run")
 def test_context_parallel_generate_equals_one_process(tmp_path) -> None:
     """A failing rank's exception and traceback come back through ``mp.spawn``."""
     mp.spawn(_worker, args=(str(tmp_path),), nprocs=WORLD)
