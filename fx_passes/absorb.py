@@ -41,7 +41,12 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from mla_compile.mla_ops import mla_decode
-from mla_compile.mla_ops.context_parallel import _merge_across, local_mask_columns
+from mla_compile.mla_ops.context_parallel import (
+    gather_heads,
+    group_heads,
+    local_mask_columns,
+    merge_across,
+)
 from mla_compile.mla_ops.prefill import DEFAULT_CHUNK_BYTES
 
 from .graph_ops import kind, last_dim_range, meta_value, named_arg, shape
@@ -160,7 +165,7 @@ def _absorbed(
     nope_dim: int,
     v_dim: int,
     sink: torch.Tensor | None = None,
-    context_parallel: tuple[str, int, int, int] | None = None,
+    context_parallel: tuple[str, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     batch, heads, q_len, _ = query.shape
     kv_lora_rank = kv_b_weight.shape[-1]
@@ -173,6 +178,10 @@ def _absorbed(
         mask = attn_mask[:, 0].expand(batch, q_len, attn_mask.shape[-1])  # [B, S, T_m]
         if context_parallel is not None:  # the columns of this rank's tokens
             mask = _local_columns(mask, kv_cache[0], block_table, context_parallel)
+    heads_dim = None
+    if context_parallel is not None and context_parallel[4]:  # the group's heads
+        heads_dim = 2
+        q_abs = gather_heads(q_abs, context_parallel[0], context_parallel[1], heads_dim)
     out_lat, lse = mla_decode(
         q_abs,
         kv_cache,
@@ -185,7 +194,7 @@ def _absorbed(
     )  # [B, S, H, L], lse [B, S, H]
     if context_parallel is not None:  # every rank's state, merged by LSE
         group_name, world = context_parallel[:2]
-        out_lat, lse = _merge_across(out_lat, lse, group_name, world, query.dtype)
+        out_lat, lse = merge_across(out_lat, lse, group_name, world, query.dtype, heads_dim)
     if sink is not None:
         # softmax([scores, sink]) gives the tokens exp(lse) / (exp(lse) + exp(sink)) of the
         # weight: sigmoid(lse - sink). A row with no visible key (lse = -inf) keeps none.
@@ -272,13 +281,19 @@ def _prefill(
     nope_dim: int,
     sink: torch.Tensor | None,
     chunk_tokens: int,
-    context_parallel: tuple[str, int, int, int] | None = None,
+    context_parallel: tuple[str, int, int, int, bool] | None = None,
 ) -> torch.Tensor:
     if attn_mask is not None:
         while attn_mask.dim() < 4:  # broadcast leading dimensions, as the attention did
             attn_mask = attn_mask.unsqueeze(0)
-        if context_parallel is not None:  # the columns of this rank's tokens
-            attn_mask = _local_columns(attn_mask, kv_c, block_table, context_parallel)
+    heads_dim = None
+    if context_parallel is not None and context_parallel[4]:  # the group's heads
+        heads_dim = 1
+        query, kv_b_weight, attn_mask = group_heads(
+            query, kv_b_weight, attn_mask, context_parallel[0], context_parallel[1]
+        )
+    if attn_mask is not None and context_parallel is not None:  # this rank's tokens' columns
+        attn_mask = _local_columns(attn_mask, kv_c, block_table, context_parallel)
     out, lse = torch.ops.mla.prefill(
         query,
         kv_c,
@@ -295,7 +310,7 @@ def _prefill(
     )
     if context_parallel is not None:  # every rank's state, merged by LSE
         group_name, world = context_parallel[:2]
-        out, lse = _merge_across(out, lse, group_name, world, query.dtype)
+        out, lse = merge_across(out, lse, group_name, world, query.dtype, heads_dim)
     if sink is not None:  # as in _absorbed: the tokens keep sigmoid(lse - sink) of the weight
         kept = torch.sigmoid(lse - sink[..., 0].to(lse.dtype)).unsqueeze(-1)  # [B, H, S, 1]
         out = (out.to(lse.dtype) * kept).to(out.dtype)
@@ -318,16 +333,18 @@ def context_parallel_mla_attention(
     world: int,
     rank: int,
     interleave: int,
+    heads_sharded: bool = False,
 ) -> torch.Tensor:
     """``absorbed_mla_attention_paged`` over this rank's share of a cache sharded by token
     (``MLACache(context_parallel=...)``): ``mla_decode`` over the rank's pages with the mask's
-    columns of its tokens, then every rank's state gathered and merged by LSE
-    (``context_parallel._merge_across``, a functional collective)."""
+    columns of its tokens, then every rank's state merged by LSE (``context_parallel.
+    merge_across``, functional collectives). ``heads_sharded`` (tensor-parallel heads over the
+    group): the group's absorbed queries gathered first, and each rank merges its own heads."""
     kv_lora_rank = kv_b_weight.shape[-1]
     kv_cache = (pool[..., :kv_lora_rank], pool[..., kv_lora_rank:])
     return _absorbed(
         query, kv_cache, local_seqlens, block_table, kv_b_weight, attn_mask, softmax_scale,
-        nope_dim, v_dim, sink, (group_name, world, rank, interleave),
+        nope_dim, v_dim, sink, (group_name, world, rank, interleave, heads_sharded),
     )  # fmt: skip
 
 
@@ -348,13 +365,15 @@ def context_parallel_mla_prefill(
     world: int,
     rank: int,
     interleave: int,
+    heads_sharded: bool = False,
 ) -> torch.Tensor:
-    """``chunked_mla_prefill_paged`` over this rank's share, merged across the group."""
+    """``chunked_mla_prefill_paged`` over this rank's share, merged across the group (with
+    ``heads_sharded``, the group's queries and ``kv_b_proj`` rows gathered first)."""
     kv_lora_rank = kv_b_weight.shape[-1]
     return _prefill(
         query, pool[..., :kv_lora_rank], pool[..., kv_lora_rank:], local_seqlens, block_table,
         kv_b_weight, attn_mask, softmax_scale, nope_dim, sink, chunk_tokens,
-        (group_name, world, rank, interleave),
+        (group_name, world, rank, interleave, heads_sharded),
     )  # fmt: skip
 
 
@@ -362,10 +381,10 @@ def _local_columns(
     mask: torch.Tensor,
     rows: torch.Tensor,
     block_table: torch.Tensor,
-    context_parallel: tuple[str, int, int, int],
+    context_parallel: tuple[str, int, int, int, bool],
 ) -> torch.Tensor:
     """A mask over global positions cut to the columns of this rank's local positions."""
-    _, world, rank, interleave = context_parallel
+    _, world, rank, interleave, _ = context_parallel
     capacity = block_table.shape[1] * rows.shape[1]
     return local_mask_columns(mask, capacity, rank, world, interleave)
 
@@ -609,8 +628,9 @@ def _rewrite(gm: GraphModule, site: MLASite, prefill_chunk_tokens: int | None = 
     shared = context_parallel_source(site.latent, site.k_rot, site.weight)
     paged = paged_source(site.latent, site.k_rot, site.weight)
     if shared is not None:
-        pool, block_table, local_seqlens, group_name, world, rank, interleave = shared
-        kwargs.update(group_name=group_name, world=world, rank=rank, interleave=interleave)
+        pool, block_table, local_seqlens, group_name, world, rank, interleave, sharded = shared
+        kwargs.update(group_name=group_name, world=world, rank=rank, interleave=interleave,
+                      heads_sharded=sharded)  # fmt: skip
         function = context_parallel_mla_prefill if prefill else context_parallel_mla_attention
         args = (site.query, pool, block_table, local_seqlens, site.weight, site.attn_mask)
         paged = shared
@@ -636,14 +656,15 @@ def _rewrite(gm: GraphModule, site: MLASite, prefill_chunk_tokens: int | None = 
 
 
 def context_parallel_source(latent: Node, k_rot: Node, weight: Node) -> tuple | None:
-    """``(pool, block_table, local_seqlens, group_name, world, rank, interleave)`` when the
+    """``(pool, block_table, local_seqlens, group_name, world, rank, interleave, heads_sharded)``
+    when the
     site's latent and rope key are the column ranges of one ``mla::cp_rows`` gather (a
     context-parallel ``MLACache``): this rank's pages are read in place; else None."""
     source = _rows_source(latent, k_rot, weight)
     if source is None or kind(source) != "cp_rows":
         return None
     names = ("pool", "block_table", "local_seqlens", "group_name", "world", "rank", "interleave")
-    return tuple(named_arg(source, name) for name in names)
+    return (*(named_arg(source, name) for name in names), named_arg(source, "heads_sharded", False))
 
 
 def _rows_source(latent: Node, k_rot: Node, weight: Node) -> Node | None:

@@ -107,6 +107,7 @@ _PARAMS: dict[str, tuple[str, ...]] = {
         "rank",
         "interleave",
         "capacity",
+        "heads_sharded",
     ),
 }
 

@@ -9,6 +9,10 @@ attention states (output and LSE) are gathered, and ``mla_combine`` merges them 
 result equals attention over the whole sequence. Cache bytes per rank are ``1 / world`` of the
 whole; the exchange per step and layer is ``world x B x S_q x H x (L + 1)`` float32 values.
 
+With tensor-parallel heads over the group (``heads_sharded``), each rank's query holds its own
+heads: the group's queries are all-gathered, each rank attends all of them over its tokens, and
+an all-to-all hands each rank its own heads' states to merge.
+
 The gather is ``torch.distributed``'s functional collective (traceable: a compiled step keeps it
 in its graph), so any backend works: NCCL on GPUs, gloo on CPU.
 
@@ -40,7 +44,9 @@ class ContextParallel:
     """Decode context parallelism for ``MLACache(..., static=True, context_parallel=...)``: the
     cache sharded by token across ``group`` (default: the world), ``interleave`` tokens a turn.
     Every rank runs the whole model on the same inputs; the rewrite (``backend="mla"``) reads
-    each rank's pages and merges the ranks' attention states."""
+    each rank's pages and merges the ranks' attention states. Under tensor parallelism (a model
+    loaded with ``DistributedConfig(tp_plan=...)``) the group lies inside the tensor-parallel
+    group: the rewrite gathers the group's queries, and each rank keeps its own heads."""
 
     group: dist.ProcessGroup | None = None
     interleave: int = 1
@@ -107,11 +113,14 @@ def context_parallel_decode(
     softmax_scale: float,
     causal: bool = True,
     interleave: int = 1,
+    heads_sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla_decode`` over a cache sharded by token across ``group`` (default: the world).
 
     Args:
-        q: ``[B, S_q, H, L+R]``, the same on every rank of the group.
+        q: ``[B, S_q, H, L+R]``, the same on every rank of the group; with ``heads_sharded``
+            (the ranks hold different heads: tensor parallelism over the group), this rank's
+            heads, the same count on every rank.
         kv_cache: this rank's slice, in any form ``mla_decode`` takes (paged with
             ``block_table``, or ``[B, T_local, L+R]``); its local positions as ``local_position``
             says.
@@ -122,7 +131,8 @@ def context_parallel_decode(
 
     Returns:
         ``out [B, S_q, H, L]`` in q's dtype and ``lse [B, S_q, H]`` float32, over all the group's
-        tokens, on every rank.
+        tokens, on every rank (with ``heads_sharded``: of this rank's heads; every rank attends
+        the group's heads over its tokens, and each gets its own heads' states back).
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -141,26 +151,54 @@ def context_parallel_decode(
         last = cache_seqlens.long()[:, None] - s_q + torch.arange(s_q, device=q.device)  # [B, S_q]
         seen = global_position(local, rank, world, interleave)[None, None, :] <= last[..., None]
         attn_mask = seen  # [B, S_q, T_local]
+    heads_dim = 2 if heads_sharded else None
+    if heads_sharded:
+        q = gather_heads(q, group, world, heads_dim)  # [B, S_q, world * H, L+R]
     out, lse = mla_decode(
         q, kv_cache, lengths, block_table=block_table, head_dim_v=head_dim_v,
         softmax_scale=softmax_scale, causal=False, attn_mask=attn_mask,
     )  # fmt: skip
-    return _merge_across(out, lse, group, world, q.dtype)
+    return merge_across(out, lse, group, world, q.dtype, heads_dim)
 
 
-def _merge_across(
-    out: torch.Tensor, lse: torch.Tensor, group, world: int, dtype: torch.dtype
+def merge_across(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group,
+    world: int,
+    dtype: torch.dtype,
+    heads_dim: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's attention state ``out [..., D]``, ``lse [...]`` gathered (on dim 0, in the
-    accumulation dtype: float32, or float64 for float64) and merged by LSE."""
+    """Every rank's attention state ``out [..., D]``, ``lse [...]`` (in the accumulation dtype:
+    float32, or float64 for float64) merged by LSE.
+
+    ``heads_dim=None``: the ranks attended the same heads; every state is gathered (on dim 0)
+    and every rank gets the merged whole. ``heads_dim=d``: the ranks hold different heads
+    (tensor parallelism over the group), and ``out`` / ``lse`` hold the whole group's heads on
+    dim ``d`` in rank order (``gather_heads``); each rank is sent the states of its own heads
+    (an all-to-all, ``1 / world`` of the gather's bytes) and returns those heads merged."""
     acc = accumulation_dtype(dtype)
     group = group or dist.group.WORLD
-    outs = _all_gather(out.to(acc).contiguous(), 0, group)  # [world * B, ..., D]
-    lses = _all_gather(lse.to(acc).contiguous(), 0, group)
-    dims = out.dim()
-    outs = outs.view(world, *out.shape).permute(*range(1, dims), 0, dims)  # [B, ..., world, D]
-    lses = lses.view(world, *lse.shape).permute(*range(1, dims), 0)  # [B, ..., world]
+    if heads_dim is None:
+        outs = _all_gather(out.to(acc).contiguous(), 0, group).view(world, *out.shape)
+        lses = _all_gather(lse.to(acc).contiguous(), 0, group).view(world, *lse.shape)
+    else:  # [world (whose heads), ...] sent, [world (whose tokens), ...] received
+        outs = out.to(acc).unflatten(heads_dim, (world, -1)).movedim(heads_dim, 0)
+        lses = lse.to(acc).unflatten(heads_dim, (world, -1)).movedim(heads_dim, 0)
+        outs = funcol.all_to_all_single(outs.contiguous(), None, None, group)
+        lses = funcol.all_to_all_single(lses.contiguous(), None, None, group)
+    dims = outs.dim() - 1
+    outs = outs.permute(*range(1, dims), 0, dims)  # [B, ..., world, D]
+    lses = lses.permute(*range(1, dims), 0)  # [B, ..., world]
     return mla_combine(outs.contiguous(), lses.contiguous(), dtype)
+
+
+def gather_heads(x: torch.Tensor, group, world: int, dim: int) -> torch.Tensor:
+    """Every rank's heads of ``x`` (its own on dim ``dim``) side by side in rank order: the
+    group's heads, for ranks that hold different heads (tensor parallelism over the group).
+    ``[..., H, ...]`` in, ``[..., world * H, ...]`` out."""
+    gathered = _all_gather(x.contiguous(), 0, group or dist.group.WORLD)  # [world * d0, ...]
+    return gathered.view(world, *x.shape).movedim(0, dim).flatten(dim, dim + 1)
 
 
 def context_parallel_prefill(
@@ -177,6 +215,7 @@ def context_parallel_prefill(
     nope_dim: int,
     interleave: int = 1,
     chunk_tokens: int = 0,
+    heads_sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``mla::prefill`` (the un-absorbed attention of a long query) over a cache sharded by token
     across ``group``: a prompt pass or a second turn over a cached prefix.
@@ -188,6 +227,10 @@ def context_parallel_prefill(
         cache_seqlens: ``[B]`` int32, the *global* token counts.
         attn_mask: ``[B|1, H|1, S|1, T_m]`` over *global* positions, as the model made it; each
             rank reads the columns of the tokens it holds.
+        heads_sharded: the ranks hold different heads (tensor parallelism over the group): ``q``,
+            ``kv_b_weight`` (``[H * (P+V), L]``) and a per-head mask are this rank's heads; the
+            group's are gathered (queries and ``kv_b_proj`` rows), each rank attends them over its
+            tokens and gets its own heads' states back.
 
     Returns:
         ``out [B, H, S, V]`` in q's dtype and ``lse [B, H, S]``, over all the group's tokens, on
@@ -197,6 +240,9 @@ def context_parallel_prefill(
     rank = dist.get_rank(group)
     _check_group(world, rank, interleave)
     lengths = local_lengths(cache_seqlens, rank, world, interleave)
+    heads_dim = 1 if heads_sharded else None
+    if heads_sharded:  # before the mask is cut: every rank's mask is over global positions
+        q, kv_b_weight, attn_mask = group_heads(q, kv_b_weight, attn_mask, group, world)
     if attn_mask is not None:
         capacity = (
             block_table.shape[1] * kv_c.shape[1] if block_table is not None else kv_c.shape[1]
@@ -204,7 +250,25 @@ def context_parallel_prefill(
         attn_mask = local_mask_columns(attn_mask, capacity, rank, world, interleave)
     out, lse = torch.ops.mla.prefill(q, kv_c, k_pe, lengths, block_table, kv_b_weight,
                                      attn_mask, softmax_scale, nope_dim, chunk_tokens)  # fmt: skip
-    return _merge_across(out, lse, group, world, q.dtype)
+    return merge_across(out, lse, group, world, q.dtype, heads_dim)
+
+
+def group_heads(
+    q: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    group,
+    world: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What ``mla::prefill`` needs to attend the group's heads when each rank holds its own
+    (tensor parallelism over the group): ``q [B, H, S, P+R]``, the rows of ``kv_b_proj``
+    (``[H * (P+V), L]``, head-major) and a per-head mask, each gathered across the group in
+    rank order (``world * H`` heads)."""
+    q = gather_heads(q, group, world, 1)
+    kv_b_weight = gather_heads(kv_b_weight, group, world, 0)
+    if attn_mask is not None and attn_mask.dim() == 4 and attn_mask.shape[1] > 1:
+        attn_mask = gather_heads(attn_mask, group, world, 1)
+    return q, kv_b_weight, attn_mask
 
 
 def local_mask_columns(
@@ -231,11 +295,14 @@ def cp_rows(
     rank: int,
     interleave: int,
     capacity: int,
+    heads_sharded: bool = False,
 ) -> torch.Tensor:
     """Every rank's rows of a sharded cache in global token order: ``[B, capacity, D]``, zero
     past each sequence's length. What an unrewritten attention reads from a context-parallel
     ``MLACache``: an all-gather of the whole cache (correct, without the memory saving). The
-    rewrite replaces it, reading this rank's ``pool`` pages in place."""
+    rewrite replaces it, reading this rank's ``pool`` pages in place; ``heads_sharded`` (the
+    group's ranks hold different heads) is for the rewrite, which then gathers the group's
+    queries, and does not change the rows."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     local = torch.ops.mla.paged_rows(pool, block_table, local_seqlens)  # [B, T_local, D]
@@ -260,6 +327,7 @@ def _cp_rows_fake(
     rank: int,
     interleave: int,
     capacity: int,
+    heads_sharded: bool = False,
 ) -> torch.Tensor:
     return pool.new_empty((block_table.shape[0], capacity, pool.shape[2]))
 
@@ -289,6 +357,9 @@ class ContextParallelCache:
             ``append`` and ``decode`` read nothing on the host, so a step compiles into one
             graph and can be captured in a CUDA graph. The pools hold one scratch page more,
             where ``mla::paged_write`` puts the rows of tokens other ranks own.
+        heads_sharded: the group's ranks hold different heads of the attention (a model under
+            tensor parallelism over this group): ``decode`` and the rewrite gather the group's
+            queries and hand each rank its own heads' output.
         The rest as ``PagedLatentCache``'s; ``max_length`` is the global most tokens per
         sequence, and the pages are allocated for this rank's share of it.
 
@@ -313,9 +384,11 @@ class ContextParallelCache:
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         group_name: str | None = None,
+        heads_sharded: bool = False,
     ) -> None:
         _check_group(world, rank, interleave)
         self.group_name = group_name  # the group's name (None: the world), for mla::cp_rows
+        self.heads_sharded = heads_sharded
         if not isinstance(max_length, int) or max_length < 1:
             raise ValueError(f"max_length must be a positive int, got {max_length!r}")
         self.rank, self.world, self.interleave = rank, world, interleave
@@ -401,7 +474,7 @@ class ContextParallelCache:
         capacity = capacity_for(self.max_length, self.local.page_size)
         rows = torch.ops.mla.cp_rows(
             self.local.pools[layer], self.local.block_table, self.local.seqlens[layer], name,
-            self.world, self.rank, self.interleave, capacity,
+            self.world, self.rank, self.interleave, capacity, self.heads_sharded,
         )  # fmt: skip
         return rows[..., : self.local.kv_len], rows[..., self.local.kv_len :]
 
@@ -451,8 +524,8 @@ class ContextParallelCache:
         softmax_scale: float,
         causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``context_parallel_decode`` of ``q [B, S_q, H, L+R]`` over ``layer`` across ``group``
-        (its ranks and size must be this cache's)."""
+        """``context_parallel_decode`` of ``q [B, S_q, H, L+R]`` (this rank's heads when they are
+        sharded) over ``layer`` across ``group`` (its ranks and size must be this cache's)."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if (world, rank) != (self.world, self.rank):
             raise ValueError(
@@ -463,6 +536,7 @@ class ContextParallelCache:
             q, self.local.pools[layer], self.cache_seqlens(layer), group=group,
             block_table=self.local.block_table, head_dim_v=self.local.kv_len,
             softmax_scale=softmax_scale, causal=causal, interleave=self.interleave,
+            heads_sharded=self.heads_sharded,
         )  # fmt: skip
 
     def crop(self, max_length: int, layer: int | None = None) -> None:

@@ -73,13 +73,68 @@ def cache_kwargs(model: torch.nn.Module, cache: Cache | None) -> dict[str, Cache
     releases, and remote code written for them).
 
     ``model.generate(ids, **cache_kwargs(model, cache))`` runs without the deprecation warning on
-    every release. A compiled model (``torch.compile``) is read through its ``_orig_mod``."""
+    every release. A compiled model (``torch.compile``) is read through its ``_orig_mod``.
+    A context-parallel ``MLACache`` is checked against the model's tensor parallelism (its group
+    inside the model's tensor-parallel group, the cache made from this model's config)."""
     module = getattr(model, "_orig_mod", model)
     forward = getattr(module, "forward", None)
     if forward is None:
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(cache, MLACache) and cache.store.context_parallel is not None:
+        _check_context_parallel_heads(module, cache)
     name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     return {name: cache}
+
+
+def tensor_parallel_size(config) -> int:
+    """How many ranks the model's heads are split over: transformers' ``distributed_config``
+    (set on the config of a model loaded with ``DistributedConfig(tp_plan=...)``), else 1."""
+    distributed = getattr(config, "distributed_config", None)
+    if isinstance(distributed, dict):
+        size = distributed.get("tp_size")
+    else:
+        size = getattr(distributed, "tp_size", None)
+    return int(size or 1)
+
+
+def _tensor_parallel_ranks(model: torch.nn.Module) -> list[int] | None:
+    """The global ranks of the model's tensor-parallel group (transformers' device mesh), or
+    None where the model does not say."""
+    manager = getattr(model, "_mesh_manager", None)
+    mesh = None
+    if manager is not None:
+        try:
+            mesh = manager.get_mesh("tp")
+        except (KeyError, ValueError, RuntimeError):
+            mesh = None
+    mesh = mesh or getattr(model, "_device_mesh", None)
+    if mesh is None or mesh.ndim != 1:
+        return None
+    return dist.get_process_group_ranks(mesh.get_group())
+
+
+def _check_context_parallel_heads(model: torch.nn.Module, cache: MLACache) -> None:
+    """Refuse a context-parallel cache that does not match the model's head sharding: ranks that
+    hold different heads would otherwise merge the states of different heads."""
+    size = tensor_parallel_size(model.config)
+    if cache.store.heads_sharded != (size > 1):
+        raise ValueError(
+            f"MLACache(context_parallel=...) was made for a model with "
+            f"{'tensor-parallel' if cache.store.heads_sharded else 'whole'} heads, but this model "
+            f"splits its heads over {size} rank(s) (config.distributed_config.tp_size): make the "
+            "cache from this model's config"
+        )
+    if size == 1:
+        return
+    tensor_ranks = _tensor_parallel_ranks(model)
+    group = cache.store.context_parallel.group or dist.group.WORLD
+    ranks = dist.get_process_group_ranks(group)
+    if tensor_ranks is not None and not set(ranks) <= set(tensor_ranks):
+        raise ValueError(
+            f"MLACache(context_parallel=...): the group's ranks {ranks} must lie inside the "
+            f"model's tensor-parallel group {tensor_ranks}, whose ranks hold the heads the "
+            "group's queries are gathered from"
+        )
 
 
 def output_cache(output: Any) -> Cache | None:
@@ -126,6 +181,8 @@ class _SharedStore:
         context_parallel: ContextParallel | None = None,
     ) -> None:
         self.context_parallel = context_parallel
+        # The context-parallel group's ranks hold different heads (tensor parallelism)
+        self.heads_sharded = False
         self.num_layers, self.kv_len, self.rope_len = num_layers, kv_len, rope_len
         self.max_length, self.page_size = max_length, page_size
         self.static, self.num_pages = static, num_pages
@@ -148,6 +205,7 @@ class _SharedStore:
                 group_name=name, num_layers=self.num_layers, batch_size=batch_size,
                 kv_len=self.kv_len, rope_len=self.rope_len, max_length=self.max_length,
                 page_size=self.page_size, static=True, dtype=dtype, device=device,
+                heads_sharded=self.heads_sharded,
             )  # fmt: skip
             self.mark_static()
         if self.cache is None:
@@ -479,7 +537,10 @@ class MLACache(Cache):
             group (static mode; each rank holds ``1 / world`` of every sequence's tokens). The
             rewritten model (``backend="mla"``) attends over each rank's pages and merges the
             ranks' states; an unrewritten one gathers the whole cache on every step (correct,
-            without the saving).
+            without the saving). A model loaded with tensor parallelism (its config's
+            ``distributed_config.tp_size > 1``) holds different heads on each rank: the group
+            must then lie inside the tensor-parallel group (``cache_kwargs`` checks it), and the
+            rewrite gathers the group's queries and gives each rank its own heads back.
 
     Reuse: ``reset()`` before a new prompt (no recompilation). Without it ``generate()`` reads
     the cached tokens as the prompt's first ones, as with any Hugging Face cache: a follow-up
@@ -554,6 +615,7 @@ class MLACache(Cache):
             text.num_hidden_layers, kv_len, rope_len, max_length, page_size, static, num_pages,
             index_len, index_layers, context_parallel,
         )  # fmt: skip
+        self.store.heads_sharded = context_parallel is not None and tensor_parallel_size(config) > 1
         # A model of one attention head hands expanded K/V in the latents' [B, 1, S, .] layout:
         # their widths tell them apart.
         if getattr(text, "num_attention_heads", None) == 1:

@@ -5,7 +5,8 @@ slices, token interleaves 1 and 2 (every combination on 2 ranks, one on 4); and 
 ``torch.compile(fullgraph=True)`` (2 ranks). ``ContextParallelCache``: each rank's share follows
 a single-process cache through random appends, crops, beam reorders and batch regroups, holds
 1 / world of its pages, and decodes (prefill, steps, a verify block) to the single process's
-output."""
+output. With tensor-parallel heads over the group, each rank gets its own heads' share of the
+single process's output (decode and prefill)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,7 @@ def _worker(rank: int, world: int, init: str) -> None:
             for g, w in zip(got, want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
         _prefill_over_shares(rank, world)
+        _heads_sharded(rank, world)
         _static_share_compiles(rank, world)
         _cp_rows_opcheck(rank, world)
         if world != 2:
@@ -111,6 +113,40 @@ def _prefill_over_shares(rank: int, world: int) -> None:
     )  # fmt: skip
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+
+
+def _heads_sharded(rank: int, world: int) -> None:
+    """Tensor-parallel heads over the group (3 a rank): each rank passes its own heads' queries
+    (and ``kv_b_proj`` rows, and a per-head mask, to the prefill) and gets its own heads'
+    output and LSE over every rank's tokens, the single process's for those heads."""
+    gen = torch.Generator().manual_seed(17)
+    local_heads, nope, v_dim = 3, 6, 5
+    heads = local_heads * world
+    mine = slice(rank * local_heads, (rank + 1) * local_heads)
+    lengths = torch.tensor([0, 3, 37, 48], dtype=torch.int32)
+    rows = torch.randn(4, 48, L + R, generator=gen, dtype=torch.float64)
+    q = torch.randn(4, 3, heads, L + R, generator=gen, dtype=torch.float64)
+    want = mla_decode(q, rows, lengths, head_dim_v=L, softmax_scale=0.3, causal=True)
+    local = cp.shard_rows(rows, lengths, rank, world, interleave=2)
+    got = cp.context_parallel_decode(
+        q[:, :, mine], local, lengths, head_dim_v=L, softmax_scale=0.3, interleave=2,
+        heads_sharded=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0], want[0][:, :, mine], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], want[1][:, :, mine], rtol=1e-10, atol=1e-10)
+
+    q = torch.randn(4, heads, 9, nope + R, generator=gen, dtype=torch.float64)
+    weight = torch.randn(heads, nope + v_dim, L, generator=gen, dtype=torch.float64) / 3
+    mask = torch.rand(4, heads, 9, 45, generator=gen) > 0.3  # a mask per head
+    want = torch.ops.mla.prefill(q, rows[..., :L], rows[..., L:], lengths, None,
+                                 weight.flatten(0, 1), mask, 0.3, nope)  # fmt: skip
+    got = cp.context_parallel_prefill(
+        q[:, mine], local[..., :L], local[..., L:], lengths, weight[mine].flatten(0, 1),
+        attn_mask=mask[:, mine], softmax_scale=0.3, nope_dim=nope, interleave=2,
+        chunk_tokens=16, heads_sharded=True,
+    )  # fmt: skip
+    torch.testing.assert_close(got[0], want[0][:, mine], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got[1], want[1][:, mine], rtol=1e-10, atol=1e-10)
 
 
 def _cp_rows_opcheck(rank: int, world: int) -> None:
