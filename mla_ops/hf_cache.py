@@ -82,6 +82,7 @@ def cache_kwargs(model: torch.nn.Module, cache: Cache | None) -> dict[str, Cache
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(cache, MLACache) and cache.store.context_parallel is not None:
         _check_context_parallel_heads(module, cache)
+        _check_group_agrees(cache)
     name = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
     return {name: cache}
 
@@ -111,6 +112,32 @@ def _tensor_parallel_ranks(model: torch.nn.Module) -> list[int] | None:
     if mesh is None or mesh.ndim != 1:
         return None
     return dist.get_process_group_ranks(mesh.get_group())
+
+
+def _check_group_agrees(cache: MLACache) -> None:
+    """Every rank of a context-parallel cache's group must hold a cache made alike (the same
+    shapes, lengths and sharding): one small all-gather of the settings, so that a mismatch is
+    an error naming the ranks rather than wrong tokens or a collective that never returns."""
+    store = cache.store
+    group = store.context_parallel.group or dist.group.WORLD
+    storage = store.cache
+    mine = dict(
+        max_length=store.max_length, page_size=store.page_size,
+        interleave=store.context_parallel.interleave, kv_len=store.kv_len,
+        rope_len=store.rope_len, layers=store.num_layers, heads_sharded=store.heads_sharded,
+        batch_size=None if storage is None else storage.batch_size,
+        dtype=None if storage is None else str(storage.local.pools[0].dtype),
+    )  # fmt: skip
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    differ = sorted({key for other in every for key in mine if other[key] != mine[key]})
+    if differ:
+        ranks = dist.get_process_group_ranks(group)
+        seen = {key: [other[key] for other in every] for key in differ}
+        raise ValueError(
+            f"MLACache(context_parallel=...): the caches of the group's ranks {ranks} differ in "
+            f"{', '.join(differ)} ({seen}); every rank must make the same cache"
+        )
 
 
 def _check_context_parallel_heads(model: torch.nn.Module, cache: MLACache) -> None:

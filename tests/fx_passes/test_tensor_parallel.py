@@ -50,11 +50,11 @@ def _generate(model, cache):
     return out.sequences, torch.stack(out.logits)
 
 
-def _cache(config, context_parallel=None):
+def _cache(config, context_parallel=None, max_length=MAX_LENGTH):
     from mla_compile.mla_ops.hf_cache import MLACache
 
     return MLACache(
-        config, max_length=MAX_LENGTH, page_size=PAGE, static=True, batch_size=2,
+        config, max_length=max_length, page_size=PAGE, static=True, batch_size=2,
         dtype=torch.float64, device="cpu", context_parallel=context_parallel,
     )  # fmt: skip
 
@@ -114,6 +114,12 @@ def _worker(rank: int, root: str) -> None:
                 whole_heads = tiny_model(family).config
                 with pytest.raises(ValueError, match="made for a model with whole heads"):
                     _generate(model, _cache(whole_heads, ContextParallel()))
+                # ranks whose caches differ are told so, on every rank, before any step
+                from mla_compile.mla_ops.hf_cache import cache_kwargs
+
+                odd = _cache(model.config, ContextParallel(), max_length=MAX_LENGTH + 8 * rank)
+                with pytest.raises(ValueError, match=r"differ in max_length \(\{'max_length'"):
+                    cache_kwargs(model, odd)
                 # unrewritten, over the sharded cache: every rank's rows gathered (cp_rows)
                 tokens, _ = _generate(model, _cache(model.config, ContextParallel()))
                 torch.save(tokens, f"{root}/{family}_plain_rank{rank}.pt")
