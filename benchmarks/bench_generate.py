@@ -13,13 +13,21 @@ chunked prompt pass: each piece of N tokens is one forward call).
 
 Per case (batch x prompt tokens): decode tokens/s from two ``generate()`` lengths, so that the
 prompt pass cancels (``B x (n2 - n1) / (t2 - t1)``); time to first token (a 1-token
-``generate()``); peak memory of the whole ``n2`` call above what was allocated before it. Each
+``generate()``); peak memory of the whole ``n2`` call above what was allocated before it, and
+``call_bytes``: that peak plus the cache (everything the call needs beyond the weights). Each
 variant's first calls (compiles) are not timed. Every cache is allocated up front for the
 longest call. Results: JSON and CSV under ``--out``, with the device and versions.
+
+``--fit`` (GPU): the largest batch at each case's prompt length that the card holds, derived
+from the measurement (``batch x memory the allocator can hold beyond the weights /
+call_bytes``: the cache and the call's working memory grow with the batch), then run: one
+``generate()`` of ``n2`` tokens at 95 % and at 110 % of it, each in a fresh process (the variant
+as above, compiles included), which either runs or runs out of memory.
 
     python benchmarks/bench_generate.py --out results                   # every case, GPU
     python benchmarks/bench_generate.py --cases 16x8192 --variants hf_static,mla_config
     python benchmarks/bench_generate.py --device cpu --layers 2 --toy --cases 1x32 --new 4,8
+    python benchmarks/bench_generate.py --cases 16x32768 --variants hf_static,mla_line --fit
 """
 
 from __future__ import annotations
@@ -28,8 +36,11 @@ import argparse
 import csv
 import datetime
 import json
+import math
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
@@ -114,31 +125,38 @@ def timed_generate(model, variant: Variant, ids, mask, new: int, device: str) ->
     return time.perf_counter() - start
 
 
+def inputs(model, batch: int, prompt: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompt ``[batch, prompt]`` (seeded by the case) and its all-ones mask."""
+    gen = torch.Generator().manual_seed(batch * 7919 + prompt)
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=gen).to(device)
+    return ids, torch.ones_like(ids)
+
+
 def measure(model, name: str, batch: int, prompt: int, args) -> dict:
     torch._dynamo.reset()
     n1, n2 = args.new
     capacity = prompt + n2
     variant = Variant(name, model, batch, capacity, args.dtype, args.device, args.prefill_chunk)
-    gen = torch.Generator().manual_seed(batch * 7919 + prompt)
-    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), generator=gen).to(args.device)
-    mask = torch.ones_like(ids)
+    ids, mask = inputs(model, batch, prompt, args.device)
     try:
         for new in (1, n1, n2):  # compiles (recompiles included) before anything is timed
             timed_generate(model, variant, ids, mask, new, args.device)
         first = timed_generate(model, variant, ids, mask, 1, args.device)
         t1 = timed_generate(model, variant, ids, mask, n1, args.device)
-        peak = None
+        peak = call_bytes = None
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         t2 = timed_generate(model, variant, ids, mask, n2, args.device)
         if args.device == "cuda":
             peak = torch.cuda.max_memory_allocated() - base
+            # the cache (allocated before the call, kept between calls) and the call's peak
+            call_bytes = base - args.weights_bytes + peak
         # None where the longer call was not slower (timing noise at toy sizes: raise --new).
         rate = batch * (n2 - n1) / (t2 - t1) if t2 > t1 else None
         return dict(
             variant=name, batch=batch, prompt=prompt, ttft_s=first, t1_s=t1, t2_s=t2,
-            decode_tok_s=rate, peak_bytes=peak,
+            decode_tok_s=rate, peak_bytes=peak, call_bytes=call_bytes,
         )  # fmt: skip
     except torch.OutOfMemoryError:
         return dict(variant=name, batch=batch, prompt=prompt, error="out of memory")
@@ -147,6 +165,50 @@ def measure(model, name: str, batch: int, prompt: int, args) -> dict:
         del variant
         if args.device == "cuda":
             torch.cuda.empty_cache()
+
+
+def fit_check(model, args) -> dict:
+    """``--fit-check``: one ``generate()`` of ``n2`` tokens of the one case and variant given
+    (compiles included), in this fresh process: ran, or ran out of memory."""
+    ((batch, prompt),) = args.case_list
+    (name,) = args.variant_list
+    n2 = args.new[1]
+    variant = Variant(name, model, batch, prompt + n2, args.dtype, args.device, args.prefill_chunk)
+    ids, mask = inputs(model, batch, prompt, args.device)
+    try:
+        seconds = timed_generate(model, variant, ids, mask, n2, args.device)
+    except torch.OutOfMemoryError:
+        return dict(batch=batch, ran=False, error="out of memory")
+    return dict(batch=batch, ran=True, seconds=seconds)
+
+
+def fit(row: dict, args) -> dict:
+    """The largest batch the card holds at ``row``'s prompt length, derived from its
+    ``call_bytes``, and the two runs that check it (fresh processes, 95 % and 110 %)."""
+    per_sequence = row["call_bytes"] / row["batch"]
+    derived = int(args.fit_bytes // per_sequence)
+    result = dict(fit_bytes=args.fit_bytes, bytes_per_sequence=per_sequence, derived=derived)
+    for share in (0.95, 1.10):
+        batch = max(1, math.floor(derived * share) if share < 1 else math.ceil(derived * share))
+        command = [
+            sys.executable, __file__, "--fit-check", "--cases", f"{batch}x{row['prompt']}",
+            "--variants", row["variant"], "--layers", str(args.layers),
+            "--new", f"{args.new[0]},{args.new[1]}", "--device", args.device,
+            "--dtype", str(args.dtype).removeprefix("torch."),
+        ]  # fmt: skip
+        if args.toy:
+            command.append("--toy")
+        if args.prefill_chunk is not None:
+            command += ["--prefill-chunk", str(args.prefill_chunk)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode == 0 and lines:
+            check = json.loads(lines[-1])
+        else:  # a crash is not an answer: say so, with the end of what it printed
+            check = dict(batch=batch, ran=None, error=(done.stderr or done.stdout)[-800:])
+        result[f"at_{round(share * 100)}"] = check
+        print(row["variant"], row["prompt"], f"{round(share * 100)} %:", check, flush=True)
+    return result
 
 
 def parse_args() -> argparse.Namespace:
@@ -162,39 +224,66 @@ def parse_args() -> argparse.Namespace:
         "--prefill-chunk", type=int, default=None,
         help="generate(prefill_chunk_size=N) for every variant: the prompt in pieces of N tokens",
     )  # fmt: skip
+    p.add_argument(
+        "--fit", action="store_true",
+        help="after measuring, derive and run the largest batch at each case's prompt (GPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fit-bytes", type=float, default=None,
+        help="memory the calls may use beyond the weights (default: what the card's allocator "
+        "can still hold once the model is built)",
+    )  # fmt: skip
+    p.add_argument("--fit-check", action="store_true", help=argparse.SUPPRESS)  # --fit's runs
     p.add_argument("--out", default=".")
     args = p.parse_args()
     args.dtype = getattr(torch, args.dtype)
     args.new = tuple(int(n) for n in args.new.split(","))
     if len(args.new) != 2 or not 1 <= args.new[0] < args.new[1]:
         p.error(f"--new takes two lengths n1 < n2, got {args.new}")
+    args.case_list = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
+    args.variant_list = args.variants.split(",")
+    for name in args.variant_list:
+        if name not in VARIANTS:
+            p.error(f"unknown variant {name!r}; choose from {VARIANTS}")
+    if args.fit_check and (len(args.case_list), len(args.variant_list)) != (1, 1):
+        p.error("--fit-check runs one case of one variant")
+    if args.fit and args.device != "cuda" and args.fit_bytes is None:
+        p.error("--fit derives from the GPU's memory: on another device give --fit-bytes")
     return args
 
 
 def main() -> None:
     args = parse_args()
     model = build(args)
+    if args.fit_check:
+        print(json.dumps(fit_check(model, args)), flush=True)
+        return
+    args.weights_bytes = torch.cuda.memory_allocated() if args.device == "cuda" else 0
+    if args.fit and args.fit_bytes is None:
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        # what the allocator can still get: the free memory and what it holds unallocated
+        args.fit_bytes = free + torch.cuda.memory_reserved() - args.weights_bytes
     rows = []
-    for case in args.cases.split(","):
-        batch, prompt = (int(x) for x in case.split("x"))
-        for name in args.variants.split(","):
-            if name not in VARIANTS:
-                raise SystemExit(f"unknown variant {name!r}; choose from {VARIANTS}")
+    for batch, prompt in args.case_list:
+        for name in args.variant_list:
             rows.append(measure(model, name, batch, prompt, args))
             print(rows[-1], flush=True)
+            if args.fit and rows[-1].get("call_bytes"):
+                rows[-1]["fit"] = fit(rows[-1], args)
     facts = dict(
         date=datetime.date.today().isoformat(), device=args.device,
         gpu=torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
         torch=torch.__version__, transformers=transformers.__version__, layers=args.layers,
         dtype=str(args.dtype), toy=args.toy, new_tokens=args.new,
-        prefill_chunk_size=args.prefill_chunk,
+        prefill_chunk_size=args.prefill_chunk, fit_bytes=args.fit_bytes,
     )  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "generate.json"), "w") as f:
         json.dump(dict(facts=facts, rows=rows), f, indent=1)
     with open(os.path.join(args.out, "generate.csv"), "w", newline="") as f:
         fields = ["variant", "batch", "prompt", "ttft_s", "t1_s", "t2_s", "decode_tok_s",
-                  "peak_bytes", "error"]  # fmt: skip
+                  "peak_bytes", "call_bytes", "error", "fit"]  # fmt: skip
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
