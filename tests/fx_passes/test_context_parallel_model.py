@@ -128,3 +128,67 @@ def test_context_parallel_cache_refusals() -> None:
         MLACache(model.config, max_length=16, static=True, context_parallel="world")
     with pytest.raises(RuntimeError, match=r"needs torch\.distributed initialised"):
         MLACache(model.config, max_length=16, static=True, context_parallel=ContextParallel())
+
+
+def _one_rank_worker(rank: int, root: str, backend: str, device: str) -> None:
+    """One rank over ``backend`` (NCCL on a GPU): the context-parallel path with the device's
+    kernels (the group of one still gathers, exchanges and merges) against the same model over
+    an unsharded static cache; and ``context_parallel_decode`` with and without sharded heads
+    against ``mla_decode``."""
+    dist.init_process_group(backend, init_method=f"file://{root}/rendezvous", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        from mla_compile.mla_ops import context_parallel as cp
+        from mla_compile.mla_ops import mla_decode
+        from mla_compile.mla_ops.context_parallel import ContextParallel
+        from mla_compile.mla_ops.hf_cache import MLACache
+
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        gen = torch.Generator().manual_seed(5)
+        q = torch.randn(3, 1, 16, 576, generator=gen).to(device, dtype)
+        rows = torch.randn(3, 300, 576, generator=gen).to(device, dtype)
+        lengths = torch.tensor([0, 1, 300], dtype=torch.int32, device=device)
+        want = mla_decode(q, rows, lengths, head_dim_v=512, softmax_scale=0.1)
+        for sharded in (False, True):
+            got = cp.context_parallel_decode(
+                q, rows, lengths, head_dim_v=512, softmax_scale=0.1, heads_sharded=sharded
+            )
+            torch.testing.assert_close(got[0], want[0], rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-4)
+
+        ids, mask = left_padded_batch((5, 11), seed=3)
+        ids, mask = ids.to(device), mask.to(device)
+        model = tiny_model("deepseek_v3", dtype=dtype).to(device)
+        model.forward = torch.compile(model.forward, backend="mla", fullgraph=True)
+        runs = []
+        for context_parallel in (None, ContextParallel()):
+            torch._dynamo.reset()
+            cache = MLACache(
+                model.config, max_length=48, page_size=4, static=True, batch_size=2,
+                dtype=dtype, device=device, context_parallel=context_parallel,
+            )  # fmt: skip
+            runs.append(_generate(model, cache, ids, mask))
+        (plain, plain_logits), (shared, shared_logits) = runs
+        assert torch.equal(shared, plain)
+        assert _relative(shared_logits.float(), plain_logits.float()) <= 1e-2
+    finally:
+        dist.destroy_process_group()
+
+
+_NCCL = torch.cuda.is_available() and dist.is_nccl_available()
+
+
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        ("gloo", "cpu"),
+        pytest.param("nccl", "cuda", marks=pytest.mark.skipif(not _NCCL, reason="GPU, NCCL")),
+    ],
+)
+def test_one_rank_compiled_with_inductor(tmp_path, backend: str, device: str) -> None:
+    """The context-parallel path compiled by ``backend="mla"`` (Inductor: it asserts the ops'
+    output layouts against their fake functions), on CPU over gloo and on a GPU over NCCL with
+    the GPU's decode kernels."""
+    mp.spawn(_one_rank_worker, args=(str(tmp_path), backend, device), nprocs=1)

@@ -109,9 +109,11 @@ def test_matches_the_expanded_form_float64(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_float32_is_within_float32_rounding(seed: int) -> None:
     args, chunk_tokens, truth = random_case(100 + seed, torch.float32)
-    out, _ = torch.ops.mla.prefill(*args, chunk_tokens)
+    out, lse = torch.ops.mla.prefill(*args, chunk_tokens)
     want_out, _ = expanded_attention64(*truth)
     torch.testing.assert_close(out.double(), want_out, rtol=1e-4, atol=1e-5)
+    # the fake function's layout, which a compiled graph (Inductor) asserts
+    assert out.is_contiguous() and lse.is_contiguous(), prefill_op.LAST_PLAN["prefill"].describe()
 
 
 def test_chunks_are_merged() -> None:
@@ -220,6 +222,7 @@ def test_cuda_matches_the_expanded_form(seed: int, dtype: torch.dtype) -> None:
             lse_kernel = need_lse or plan.num_chunks > 1
             expected = "math" if not fused else with_lse if lse_kernel else "sdpa"
             assert plan.kernel == expected, plan.describe()
+        assert out.is_contiguous() and lse.is_contiguous(), plan.describe()  # the fake's layout
         got = out.cpu().double()
         torch.testing.assert_close(got, want_out, rtol=tolerance, atol=tolerance, msg=plan.describe)
         assert (got[~seen] == 0).all()
