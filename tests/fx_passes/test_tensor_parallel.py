@@ -17,7 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.fx_passes.tiny_models import left_padded_batch, tiny_model
+from tests.fx_passes.tiny_models import (
+    generate_with_logits,
+    left_padded_batch,
+    no_whole_cache_gather,
+    tiny_model,
+)
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # transformers' tensor-parallel loading needs it
@@ -39,15 +44,7 @@ PAGE = 4
 
 
 def _generate(model, cache):
-    from mla_compile.mla_ops.hf_cache import cache_kwargs
-
-    ids, mask = left_padded_batch((7, 11))
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True, **cache_kwargs(model, cache),
-        )  # fmt: skip
-    return out.sequences, torch.stack(out.logits)
+    return generate_with_logits(model, cache, *left_padded_batch((7, 11)), NEW_TOKENS)
 
 
 def _cache(config, context_parallel=None, max_length=MAX_LENGTH):
@@ -57,10 +54,6 @@ def _cache(config, context_parallel=None, max_length=MAX_LENGTH):
         config, max_length=max_length, page_size=PAGE, static=True, batch_size=2,
         dtype=torch.float64, device="cpu", context_parallel=context_parallel,
     )  # fmt: skip
-
-
-def _no_whole_cache_gather(*args, **kwargs):
-    raise AssertionError("mla::cp_rows ran: a site read the gathered cache, not its pages")
 
 
 def _load(root: str, family: str):
@@ -81,11 +74,8 @@ def _context_parallel_run(model, group=None):
     torch._dynamo.reset()
     counters.clear()
     shared = _cache(model.config, ContextParallel(group))
-    gather, dist.all_gather = dist.all_gather, _no_whole_cache_gather
-    try:
+    with no_whole_cache_gather():
         tokens, logits = _generate(model, shared)
-    finally:
-        dist.all_gather = gather
     return tokens, logits, dict(counters["mla"]), shared.paged.cache_bytes()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -298,6 +299,38 @@ def truth_model(model):
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
+
+
+def generate_with_logits(model, cache, ids, mask, new_tokens: int):
+    """Greedy ``generate()`` of ``new_tokens`` over ``cache`` (None: the model's default):
+    ``(sequences, logits [new_tokens, B, vocab])``."""
+    from mla_compile.mla_ops.hf_cache import cache_kwargs
+
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            output_logits=True, return_dict_in_generate=True, **cache_kwargs(model, cache),
+        )  # fmt: skip
+    return out.sequences, torch.stack(out.logits)
+
+
+def _whole_cache_gathered(*args, **kwargs):
+    raise AssertionError("mla::cp_rows ran: a site read the gathered cache, not its pages")
+
+
+@contextlib.contextmanager
+def no_whole_cache_gather():
+    """While open, the whole-cache gather of a context-parallel cache (``mla::cp_rows``'s
+    ``dist.all_gather``) raises: every rewritten site must read its rank's pages. The states'
+    merge is a functional collective, and ``cache_kwargs``'s check an ``all_gather_object``:
+    neither goes through ``dist.all_gather``."""
+    import torch.distributed as dist
+
+    gather, dist.all_gather = dist.all_gather, _whole_cache_gathered
+    try:
+        yield
+    finally:
+        dist.all_gather = gather
 
 
 def attention_layers(model) -> int:
